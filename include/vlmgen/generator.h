@@ -1,0 +1,496 @@
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "vlmgen/error.h"
+#include "vlmgen/image_spans.h"
+#include "vlmgen/inference_context.h"
+#include "vlmgen/logging.h"
+#include "vlmgen/model.h"
+#include "vlmgen/parallel.h"
+#include "vlmgen/positions.h"
+#include "vlmgen/replay_policy.h"
+#include "vlmgen/sampling.h"
+#include "vlmgen/vision_inputs.h"
+
+namespace vlmgen {
+
+/// Why a row stopped.
+enum class FinishReason { kNotFinished, kEndId, kStopWords, kLength, kCancelled };
+
+inline const char* to_string(FinishReason r) {
+  switch (r) {
+    case FinishReason::kNotFinished: return "not-finished";
+    case FinishReason::kEndId: return "end-id";
+    case FinishReason::kStopWords: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kCancelled: return "cancelled";
+  }
+  return "?";
+}
+
+/// One generated token, as the streaming callback sees it.
+struct TokenEvent {
+  int64_t row = 0;
+  int64_t step = 0;  ///< 0 for the first new token of the row
+  int64_t token = 0;
+  float logprob = 0.0f;  ///< log-probability of `token` (0 unless return_logprobs is on)
+  FinishReason finish_reason = FinishReason::kNotFinished;  ///< set when this token ends the row
+};
+
+/// Called for every token of every row, in order. Return false to cancel that row (it finishes
+/// with kCancelled; its other rows go on). Exceptions propagate out of generate().
+using TokenCallback = std::function<bool(const TokenEvent&)>;
+
+#define VLMGEN_OPTION(Type, name, ...)                    \
+ public:                                                  \
+  auto name(Type value)->decltype(*this) {                \
+    name##_ = std::move(value);                           \
+    return *this;                                         \
+  }                                                       \
+  const Type& name() const { return name##_; }            \
+                                                          \
+ private:                                                 \
+  Type name##_ = __VA_ARGS__;
+
+/// Options of one generate call, with chaining setters. Checked by generate(), which throws
+/// vlmgen::Error naming the bad value.
+///
+///   auto config = vlmgen::GenerationConfig().max_new_tokens(32).enable_kv_cache(false)
+///                     .temperature(0.7).top_p(0.9).seed(1234).end_token_ids({2});
+class GenerationConfig {
+  /// New tokens per row at most (>= 0). Default 16.
+  VLMGEN_OPTION(int64_t, max_new_tokens, 16)
+  /// Decode with a KV cache (prefill once, then one token per call). Without it every step
+  /// recomputes the whole prefix. Falls back to no cache when the model or sequence
+  /// parallelism rules it out (logged once per Generator). Default true.
+  VLMGEN_OPTION(bool, enable_kv_cache, true)
+  /// Which images each forward call gets. Default kSpanAware, the correct rule.
+  VLMGEN_OPTION(ReplayMode, replay_mode, ReplayMode::kSpanAware)
+  /// Tokens that end a row with kEndId (the token is kept in the output). Default none.
+  VLMGEN_OPTION(std::vector<int64_t>, end_token_ids, {})
+  /// Tokens that end a row with kStopWords (kept in the output). Default none.
+  VLMGEN_OPTION(std::vector<int64_t>, stop_token_ids, {})
+  /// Token used for left padding and after a row has finished (always masked). Default 0.
+  VLMGEN_OPTION(int64_t, pad_token_id, 0)
+  /// 0 = greedy; > 0 samples from softmax(logits / temperature). Default 0.
+  VLMGEN_OPTION(double, temperature, 0.0)
+  /// Sample among the k most likely tokens only (0 = off). Default 0.
+  VLMGEN_OPTION(int64_t, top_k, 0)
+  /// Sample from the smallest set of tokens whose mass reaches top_p (1 = off). Default 1.
+  VLMGEN_OPTION(double, top_p, 1.0)
+  /// Seed of every row's random stream. Same seed, same tokens. Default 0.
+  VLMGEN_OPTION(uint64_t, seed, 0)
+  /// Per-row seeds overriding `seed` (empty = all rows use `seed`). Default empty.
+  VLMGEN_OPTION(std::vector<uint64_t>, row_seeds, {})
+  /// Return the log-probability of every chosen token. Default false.
+  VLMGEN_OPTION(bool, return_logprobs, false)
+  /// With a KV cache, prefill at most this many columns per call (0 = all at once). A chunk
+  /// boundary never splits an image's placeholders: it moves to the nearest span edge.
+  /// Default 0.
+  VLMGEN_OPTION(int64_t, prefill_chunk_size, 0)
+  /// When the model can encode images on their own (CausalVlm::can_encode_images), run its
+  /// vision tower once per image per request and replay the embeddings instead of the pixels.
+  /// Default true.
+  VLMGEN_OPTION(bool, encoder_cache, true)
+  /// Let the model generate its own image/video placeholder tokens. Off by default: a
+  /// generated placeholder has no image behind it, so every later full-prefix recompute would
+  /// present the model more placeholders than embeddings. Default false.
+  VLMGEN_OPTION(bool, allow_placeholder_tokens, false)
+
+ public:
+  SamplingOptions sampling() const {
+    SamplingOptions s;
+    s.temperature = temperature_;
+    s.top_k = top_k_;
+    s.top_p = top_p_;
+    s.seed = seed_;
+    s.row_seeds = row_seeds_;
+    return s;
+  }
+};
+
+#undef VLMGEN_OPTION
+
+/// One generate call's input.
+struct GenerateRequest {
+  GenerateRequest() = default;
+  GenerateRequest(std::vector<std::vector<int64_t>> prompts_, VisionInputs vision_ = {},
+                  InferenceContext* context_ = nullptr, TokenCallback on_token_ = {})
+      : prompts(std::move(prompts_)), vision(std::move(vision_)), context(context_), on_token(std::move(on_token_)) {}
+
+  /// One prompt per batch row, unpadded (rows may differ in length; the generator left-pads).
+  std::vector<std::vector<int64_t>> prompts;
+  /// Every image of every prompt, in order of appearance (row 0 first). When continuing from a
+  /// context, that includes the images of the cached prefix: each call is sent only those
+  /// whose placeholders it computes.
+  VisionInputs vision;
+  /// A KV cache to use and keep: if it already holds columns, they must equal the first
+  /// columns of the left-padded prompts, and only the rest is computed. Null: the generator
+  /// allocates one for the call when it decodes with a cache.
+  InferenceContext* context = nullptr;
+  /// Streaming: every token of every row as it is chosen.
+  TokenCallback on_token;
+  /// Set to true (from any thread) to cancel every unfinished row before the next call.
+  const std::atomic<bool>* cancel = nullptr;
+};
+
+/// One row's output.
+struct SequenceOutput {
+  std::vector<int64_t> tokens;  ///< new tokens only, including the end/stop token if any
+  FinishReason finish_reason = FinishReason::kNotFinished;
+  std::vector<float> logprobs;  ///< per token, when return_logprobs is on
+};
+
+struct GenerationStats {
+  bool used_kv_cache = false;
+  int64_t forward_calls = 0;
+  int64_t prompt_columns = 0;     ///< left-padded prompt length
+  int64_t generated_tokens = 0;   ///< over all rows
+  int64_t images_encoded = 0;     ///< vision tower runs through the encoder cache (images)
+  double time_to_first_token_s = 0.0;
+  double decode_tokens_per_s = 0.0;  ///< tokens after each row's first, per second
+  double total_s = 0.0;
+};
+
+struct GenerationResult {
+  std::vector<SequenceOutput> sequences;
+  GenerationStats stats;
+};
+
+/// The generation loop. Keeps no state between calls apart from having logged the KV-cache
+/// fallback once; a failed call leaves it (and a caller's context) usable. Not thread-safe:
+/// one call at a time per Generator.
+///
+///   vlmgen::Generator gen(model);
+///   auto out = gen.generate({{prompt}, vision}, vlmgen::GenerationConfig().max_new_tokens(32));
+///   for (int64_t t : out.sequences[0].tokens) ...
+class Generator {
+ public:
+  explicit Generator(CausalVlm& model, ParallelContext parallel = ParallelContext::single())
+      : model_(model), parallel_(std::move(parallel)) {}
+
+  CausalVlm& model() const { return model_; }
+  const ParallelContext& parallel() const { return parallel_; }
+
+  GenerationResult generate(const GenerateRequest& request, const GenerationConfig& config = GenerationConfig());
+
+ private:
+  CausalVlm& model_;
+  ParallelContext parallel_;
+  bool fallback_logged_ = false;
+};
+
+namespace detail {
+
+using Clock = std::chrono::steady_clock;
+
+inline double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+inline bool contains(const std::vector<int64_t>& ids, int64_t id) {
+  return std::find(ids.begin(), ids.end(), id) != ids.end();
+}
+
+/// Everything one generate call checks before the first forward call, so that bad input
+/// never leaves half-done state behind.
+inline void validate_request(const GenerateRequest& request, const GenerationConfig& config, const ModelTraits& traits) {
+  VLMGEN_CHECK(traits.vocab_size > 0, "the model reports vocab_size {}; expected > 0", traits.vocab_size);
+  VLMGEN_CHECK(!request.prompts.empty(), "the batch is empty: expected at least one prompt");
+  VLMGEN_CHECK(config.max_new_tokens() >= 0, "max_new_tokens must be >= 0, got {}", config.max_new_tokens());
+  VLMGEN_CHECK(config.prefill_chunk_size() >= 0, "prefill_chunk_size must be >= 0 (0 = whole prompt), got {}",
+               config.prefill_chunk_size());
+  config.sampling().validate(static_cast<int64_t>(request.prompts.size()));
+  auto check_id = [&](int64_t id, const char* what) {
+    VLMGEN_CHECK(id >= 0 && id < traits.vocab_size, "{} {} is outside the vocabulary [0, {})", what, id,
+                 traits.vocab_size);
+  };
+  check_id(config.pad_token_id(), "pad_token_id");
+  for (int64_t id : config.end_token_ids()) check_id(id, "end token id");
+  for (int64_t id : config.stop_token_ids()) check_id(id, "stop token id");
+  for (size_t r = 0; r < request.prompts.size(); ++r) {
+    const auto& p = request.prompts[r];
+    VLMGEN_CHECK(!p.empty(), "prompt {} is empty: expected at least one token", r);
+    for (size_t i = 0; i < p.size(); ++i) {
+      VLMGEN_CHECK(p[i] >= 0 && p[i] < traits.vocab_size,
+                   "prompt {} token {} is {}, outside the vocabulary [0, {})", r, i, p[i], traits.vocab_size);
+      VLMGEN_CHECK(!traits.video_token_id || p[i] != *traits.video_token_id,
+                   "prompt {} holds a video placeholder (token {} at {}); videos are not supported yet", r, p[i], i);
+    }
+  }
+  if (!request.vision.empty()) {
+    VLMGEN_CHECK(traits.image_token_id.has_value(),
+                 "the request has vision tensors ({} images) but the model declares no image token id",
+                 request.vision.num_images());
+    VLMGEN_CHECK(request.vision.layout == traits.vision_layout,
+                 "the vision bundle uses the {} layout but the model expects {}",
+                 request.vision.layout == VisionLayout::kPatchFlattened ? "patch-flattened" : "per-image",
+                 traits.vision_layout == VisionLayout::kPatchFlattened ? "patch-flattened" : "per-image");
+    request.vision.validate(traits.spatial_merge_size);
+  }
+}
+
+}  // namespace detail
+
+inline GenerationResult Generator::generate(const GenerateRequest& request, const GenerationConfig& config) {
+  const auto t_start = detail::Clock::now();
+  const ModelTraits& traits = model_.traits();
+  detail::validate_request(request, config, traits);
+
+  const int64_t batch = static_cast<int64_t>(request.prompts.size());
+  int64_t prompt_len = 0;
+  for (const auto& p : request.prompts) prompt_len = std::max<int64_t>(prompt_len, static_cast<int64_t>(p.size()));
+  std::vector<int64_t> pads(static_cast<size_t>(batch));
+  for (int64_t b = 0; b < batch; ++b) pads[b] = prompt_len - static_cast<int64_t>(request.prompts[b].size());
+
+  // Where each image's placeholders sit; counts checked against the bundle.
+  const VisionInputs& vision = request.vision;
+  std::vector<ImageSpan> spans;
+  std::vector<int64_t> counts;
+  if (traits.image_token_id) {
+    if (!vision.empty()) counts = model_.placeholder_counts(vision);
+    spans = find_image_spans(request.prompts, *traits.image_token_id, counts, pads);
+  }
+
+  const int64_t max_new = config.max_new_tokens();
+  const int64_t total = prompt_len + max_new;
+  VLMGEN_CHECK(traits.max_sequence_length <= 0 || total <= traits.max_sequence_length,
+               "prompt of {} columns + max_new_tokens {} = {} exceeds the model's maximum sequence length {}",
+               prompt_len, max_new, total, traits.max_sequence_length);
+  // The last chosen token is never fed back, so the cache needs one column less.
+  const int64_t fed_columns = prompt_len + std::max<int64_t>(max_new - 1, 0);
+
+  // KV cache or full-prefix recompute.
+  VLMGEN_CHECK(request.context == nullptr || config.enable_kv_cache(),
+               "a context was given but enable_kv_cache is false; pass no context for no-cache decoding");
+  const KvCacheDecision kv = decide_kv_cache(config.enable_kv_cache(), traits.supports_kv_cache,
+                                             traits.kv_cache_under_sequence_parallel, parallel_);
+  if (!kv.reason.empty() && !fallback_logged_) {
+    log(LogLevel::kWarning, "KV cache requested but not used: {}", kv.reason);
+    fallback_logged_ = true;
+  }
+
+  // Left-padded tokens and mask of every column, prompt then generated. Host masters.
+  at::Tensor tokens = at::full({batch, total}, config.pad_token_id(), at::kLong);  // [B, total]
+  at::Tensor mask = at::zeros({batch, total}, at::kLong);                          // [B, total]
+  for (int64_t b = 0; b < batch; ++b) {
+    const auto& p = request.prompts[b];
+    tokens[b].narrow(0, pads[b], static_cast<int64_t>(p.size()))
+        .copy_(at::tensor(p, at::kLong));
+    mask[b].narrow(0, pads[b], static_cast<int64_t>(p.size())).fill_(1);
+  }
+  if (max_new > 0) mask.narrow(1, prompt_len, max_new).fill_(1);
+
+  std::unique_ptr<InferenceContext> own_context;
+  InferenceContext* context = nullptr;
+  if (kv.use_kv_cache) {
+    if (request.context != nullptr) {
+      context = request.context;
+      VLMGEN_CHECK(context->batch_size() == batch, "the context holds {} rows but the request has {}",
+                   context->batch_size(), batch);
+      VLMGEN_CHECK(context->capacity() >= fed_columns,
+                   "prompt of {} columns + max_new_tokens {} needs {} KV cache columns but the context has capacity {}",
+                   prompt_len, max_new, fed_columns, context->capacity());
+      const KvCacheSpec& have = context->spec();
+      const KvCacheSpec& want = traits.kv_cache;
+      VLMGEN_CHECK(have.num_layers == want.num_layers && have.num_kv_heads == want.num_kv_heads &&
+                       have.head_dim == want.head_dim,
+                   "the context was made for layers={} kv_heads={} head_dim={} but the model has {} / {} / {}",
+                   have.num_layers, have.num_kv_heads, have.head_dim, want.num_layers, want.num_kv_heads,
+                   want.head_dim);
+      const int64_t cached = context->length();
+      if (cached > 0) {
+        VLMGEN_CHECK(cached < prompt_len,
+                     "the context already holds {} columns; the prompt ({} columns, left-padded) must extend it by at "
+                     "least one token",
+                     cached, prompt_len);
+        at::Tensor differs = (context->tokens() != tokens.narrow(1, 0, cached)) |
+                             (context->attention_mask() != mask.narrow(1, 0, cached));
+        if (differs.any().item<bool>()) {
+          at::Tensor where = differs.nonzero()[0];
+          VLMGEN_FAIL("the context's cached columns differ from the prompt at row {} column {} (cached token {}, "
+                      "prompt token {}); a continuation must repeat the cached prefix exactly",
+                      where[0].item<int64_t>(), where[1].item<int64_t>(),
+                      context->tokens()[where[0]][where[1]].item<int64_t>(),
+                      tokens[where[0]][where[1]].item<int64_t>());
+        }
+      }
+    } else {
+      own_context = std::make_unique<InferenceContext>(traits.kv_cache, batch, std::max<int64_t>(fed_columns, 1),
+                                                       model_.device());
+      context = own_context.get();
+    }
+  }
+
+  // Position ids of every column; the rope delta lives here, per request.
+  RopePlan plan = model_.plan_positions(tokens.narrow(1, 0, prompt_len), mask.narrow(1, 0, prompt_len), vision);
+  const at::Tensor positions = extend_positions(plan, pads, total);  // [B, total] or [3, B, total]
+
+  const at::Device device = model_.device();
+  const VisionInputs vision_on_device = vision.empty() ? vision : vision.to(device);
+  const ReplayPolicy policy(config.replay_mode(), traits.accepts_partial_image_span);
+  const bool use_encoder_cache = config.encoder_cache() && !vision.empty() && model_.can_encode_images();
+  std::vector<at::Tensor> embeddings(static_cast<size_t>(vision.num_images()));  // per image, when encoded
+  std::vector<int64_t> last_images;
+  VisionInputs last_vision;
+  at::Tensor last_embeddings;
+
+  SamplingOptions sampling = config.sampling();
+  if (!config.allow_placeholder_tokens()) {
+    if (traits.image_token_id) sampling.suppressed_tokens.push_back(*traits.image_token_id);
+    if (traits.video_token_id) sampling.suppressed_tokens.push_back(*traits.video_token_id);
+  }
+  Sampler sampler(std::move(sampling), batch);
+  GenerationResult result;
+  result.sequences.resize(static_cast<size_t>(batch));
+  result.stats.used_kv_cache = kv.use_kv_cache;
+  result.stats.prompt_columns = prompt_len;
+
+  // One forward call over columns [start, end); returns the last column's logits [B, vocab].
+  auto run_window = [&](int64_t start, int64_t end, int64_t step) {
+    std::vector<int64_t> images = policy.images_for_window({start, end}, spans, step);
+    ForwardArgs args;
+    at::Tensor window_ids = tokens.narrow(1, start, end - start);
+    at::Tensor window_mask = mask.narrow(1, start, end - start);
+    args.input_ids = window_ids.to(device);
+    args.position_ids = positions.narrow(-1, start, end - start).to(device);
+    args.attention_mask = mask.narrow(1, 0, end).to(device);
+    args.context = context;
+    args.window_start = start;
+    args.step = step;
+    if (!images.empty()) {
+      if (images != last_images) {
+        last_images = images;
+        last_vision = vision_on_device.select(images);
+        last_embeddings = at::Tensor();
+        if (use_encoder_cache) {
+          std::vector<int64_t> missing;
+          for (int64_t i : images) {
+            if (!embeddings[i].defined()) missing.push_back(i);
+          }
+          if (!missing.empty()) {
+            at::Tensor encoded = model_.encode_images(vision_on_device.select(missing));
+            int64_t rows = 0;
+            for (int64_t i : missing) rows += counts[i];
+            VLMGEN_CHECK(encoded.defined() && encoded.dim() == 2 && encoded.size(0) == rows,
+                         "encode_images returned {} for {} images needing {} embedding rows",
+                         detail::shape_str(encoded), missing.size(), rows);
+            int64_t offset = 0;
+            for (int64_t i : missing) {
+              embeddings[i] = encoded.narrow(0, offset, counts[i]);
+              offset += counts[i];
+            }
+            result.stats.images_encoded += static_cast<int64_t>(missing.size());
+          }
+          std::vector<at::Tensor> parts;
+          for (int64_t i : images) parts.push_back(embeddings[i]);
+          last_embeddings = parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+        }
+      }
+      args.images = images;
+      args.vision = last_vision;
+      args.image_embeddings = last_embeddings;
+    } else {
+      args.vision.layout = vision.layout;
+    }
+    at::Tensor logits = model_.forward(args);
+    VLMGEN_CHECK(logits.defined() && logits.dim() == 3 && logits.size(0) == batch && logits.size(1) == end - start &&
+                     logits.size(2) >= traits.vocab_size,
+                 "the model returned logits {} for a window of [{}, {}, >= {}]", detail::shape_str(logits), batch,
+                 end - start, traits.vocab_size);
+    if (context != nullptr) context->commit(window_ids, window_mask);
+    ++result.stats.forward_calls;
+    return logits.select(1, end - start - 1).narrow(-1, 0, traits.vocab_size);
+  };
+
+  std::vector<bool> active(static_cast<size_t>(batch), true);
+  auto cancelled = [&] { return request.cancel != nullptr && request.cancel->load(); };
+  auto cancel_all = [&] {
+    for (int64_t b = 0; b < batch; ++b) {
+      if (active[b]) {
+        active[b] = false;
+        result.sequences[b].finish_reason = FinishReason::kCancelled;
+      }
+    }
+  };
+  auto any_active = [&] { return std::find(active.begin(), active.end(), true) != active.end(); };
+
+  if (max_new == 0) {
+    for (auto& s : result.sequences) s.finish_reason = FinishReason::kLength;
+  } else if (cancelled()) {
+    cancel_all();
+  }
+
+  std::optional<detail::Clock::time_point> t_first;
+  std::vector<float> logprobs;
+  for (int64_t step = 0; step < max_new && any_active(); ++step) {
+    if (cancelled()) {
+      cancel_all();
+      break;
+    }
+    const int64_t end = prompt_len + step;  // columns holding tokens so far
+    at::Tensor last;
+    if (step == 0 && context != nullptr && config.prefill_chunk_size() > 0) {
+      int64_t start = context->length();
+      while (start < end) {
+        const int64_t chunk_end =
+            policy.chunk_end(start, std::min(end, start + config.prefill_chunk_size()), spans);
+        last = run_window(start, chunk_end, 0);
+        start = chunk_end;
+      }
+    } else {
+      last = run_window(context != nullptr ? context->length() : 0, end, step);
+    }
+
+    std::vector<int64_t> chosen = sampler.choose(last, active, config.return_logprobs() ? &logprobs : nullptr);
+    if (!t_first) t_first = detail::Clock::now();
+    for (int64_t b = 0; b < batch; ++b) {
+      if (!active[b]) continue;
+      const int64_t token = chosen[b];
+      auto& seq = result.sequences[b];
+      tokens[b][end] = token;
+      seq.tokens.push_back(token);
+      if (config.return_logprobs()) seq.logprobs.push_back(logprobs[b]);
+      ++result.stats.generated_tokens;
+      if (detail::contains(config.end_token_ids(), token)) {
+        seq.finish_reason = FinishReason::kEndId;
+      } else if (detail::contains(config.stop_token_ids(), token)) {
+        seq.finish_reason = FinishReason::kStopWords;
+      } else if (static_cast<int64_t>(seq.tokens.size()) == max_new) {
+        seq.finish_reason = FinishReason::kLength;
+      }
+      if (request.on_token) {
+        TokenEvent event{b, step, token, config.return_logprobs() ? logprobs[b] : 0.0f, seq.finish_reason};
+        if (!request.on_token(event) && seq.finish_reason == FinishReason::kNotFinished) {
+          seq.finish_reason = FinishReason::kCancelled;
+        }
+      }
+      if (seq.finish_reason != FinishReason::kNotFinished) active[b] = false;
+    }
+  }
+
+  const auto t_end = detail::Clock::now();
+  result.stats.total_s = detail::seconds_between(t_start, t_end);
+  if (t_first) {
+    result.stats.time_to_first_token_s = detail::seconds_between(t_start, *t_first);
+    int64_t rows_started = 0;
+    for (const auto& s : result.sequences) rows_started += !s.tokens.empty();
+    const double decode_s = detail::seconds_between(*t_first, t_end);
+    const int64_t decode_tokens = result.stats.generated_tokens - rows_started;
+    result.stats.decode_tokens_per_s = decode_s > 0 && decode_tokens > 0 ? decode_tokens / decode_s : 0.0;
+  }
+  return result;
+}
+
+}  // namespace vlmgen

@@ -1,0 +1,133 @@
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "vlmgen/detail/tensor_utils.h"
+#include "vlmgen/error.h"
+
+namespace vlmgen {
+
+/// Shape of a model's KV cache, from its config. `head_dim` is the model's own (never derived
+/// as hidden / heads: the two differ in many models).
+struct KvCacheSpec {
+  int64_t num_layers = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  at::ScalarType dtype = at::kFloat;
+
+  /// Bytes of K and V stored per token of one row across all layers.
+  int64_t bytes_per_token() const {
+    return 2 * num_layers * num_kv_heads * head_dim * static_cast<int64_t>(c10::elementSize(dtype));
+  }
+};
+
+/// A static KV cache: storage for `capacity` token columns of `batch` rows, allocated once.
+/// `length()` columns are filled; a forward call with a context writes its window at
+/// [length, length + S) in every layer and the generator commits the window afterwards, so a
+/// forward that throws half-way leaves the committed state as it was. The context also keeps
+/// the token ids and attention mask it holds, so a later request can be checked to extend them.
+///
+///   vlmgen::InferenceContext ctx(model.traits().kv_cache, /*batch=*/1, /*capacity=*/512);
+///   generator.generate({prefix, {}, &ctx}, config);   // caches the prefix
+///   generator.generate({prefix_plus_turn, vision, &ctx}, config);   // continues from it
+class InferenceContext {
+ public:
+  InferenceContext(const KvCacheSpec& spec, int64_t batch, int64_t capacity, at::Device device = at::kCPU)
+      : spec_(spec), batch_(batch), capacity_(capacity) {
+    VLMGEN_CHECK(spec.num_layers >= 0 && spec.num_kv_heads >= 1 && spec.head_dim >= 1,
+                 "KV cache spec needs num_kv_heads >= 1 and head_dim >= 1, got layers={} kv_heads={} head_dim={}",
+                 spec.num_layers, spec.num_kv_heads, spec.head_dim);
+    VLMGEN_CHECK(batch >= 1, "InferenceContext batch must be >= 1, got {}", batch);
+    VLMGEN_CHECK(capacity >= 1, "InferenceContext capacity must be >= 1, got {}", capacity);
+    auto opts = at::TensorOptions().dtype(spec.dtype).device(device);
+    for (int64_t l = 0; l < spec.num_layers; ++l) {
+      keys_.push_back(at::zeros({batch, spec.num_kv_heads, capacity, spec.head_dim}, opts));
+      values_.push_back(at::zeros({batch, spec.num_kv_heads, capacity, spec.head_dim}, opts));
+    }
+    tokens_ = at::zeros({batch, capacity}, at::kLong);
+    mask_ = at::zeros({batch, capacity}, at::kLong);
+  }
+
+  const KvCacheSpec& spec() const { return spec_; }
+  int64_t batch_size() const { return batch_; }
+  int64_t capacity() const { return capacity_; }
+  /// Columns committed so far (the same for every row; left padding counts).
+  int64_t length() const { return length_; }
+  int64_t num_layers() const { return spec_.num_layers; }
+  at::Device device() const { return keys_.empty() ? at::Device(at::kCPU) : keys_[0].device(); }
+  /// Bytes of K/V storage allocated.
+  int64_t bytes() const { return spec_.bytes_per_token() * batch_ * capacity_; }
+
+  /// Throws unless `columns` more columns fit.
+  void check_room(int64_t columns) const {
+    VLMGEN_CHECK(length_ + columns <= capacity_,
+                 "the KV cache holds {} of {} columns; {} more would overflow it (need capacity >= {})", length_,
+                 capacity_, columns, length_ + columns);
+  }
+
+  /// Model side: writes the window's keys and values ([batch, kv_heads, S, head_dim]) for
+  /// `layer` at columns [length, length + S) and returns the keys and values of columns
+  /// [0, length + S), as views into the cache.
+  std::pair<at::Tensor, at::Tensor> append_kv(int64_t layer, const at::Tensor& k, const at::Tensor& v) {
+    VLMGEN_CHECK(layer >= 0 && layer < spec_.num_layers, "layer {} is out of range for a cache of {} layers", layer,
+                 spec_.num_layers);
+    VLMGEN_CHECK(k.dim() == 4 && k.size(0) == batch_ && k.size(1) == spec_.num_kv_heads && k.size(3) == spec_.head_dim,
+                 "keys must be [{}, {}, S, {}], got {}", batch_, spec_.num_kv_heads, spec_.head_dim,
+                 detail::shape_str(k));
+    VLMGEN_CHECK(v.sizes() == k.sizes(), "values {} must match keys {}", detail::shape_str(v), detail::shape_str(k));
+    const int64_t s = k.size(2);
+    check_room(s);
+    keys_[layer].narrow(2, length_, s).copy_(k);
+    values_[layer].narrow(2, length_, s).copy_(v);
+    return {keys_[layer].narrow(2, 0, length_ + s), values_[layer].narrow(2, 0, length_ + s)};
+  }
+
+  /// Keys and values of the committed columns of `layer`, [batch, kv_heads, length, head_dim].
+  std::pair<at::Tensor, at::Tensor> kv(int64_t layer) const {
+    VLMGEN_CHECK(layer >= 0 && layer < spec_.num_layers, "layer {} is out of range for a cache of {} layers", layer,
+                 spec_.num_layers);
+    return {keys_[layer].narrow(2, 0, length_), values_[layer].narrow(2, 0, length_)};
+  }
+
+  /// Generator side, after a forward call: the window's token ids and attention mask
+  /// ([batch, S]) are now cached.
+  void commit(const at::Tensor& input_ids, const at::Tensor& mask) {
+    VLMGEN_CHECK(input_ids.dim() == 2 && input_ids.size(0) == batch_, "commit expects [{}, S] token ids, got {}", batch_,
+                 detail::shape_str(input_ids));
+    VLMGEN_CHECK(mask.sizes() == input_ids.sizes(), "commit mask {} must match token ids {}", detail::shape_str(mask),
+                 detail::shape_str(input_ids));
+    const int64_t s = input_ids.size(1);
+    check_room(s);
+    tokens_.narrow(1, length_, s).copy_(input_ids.to(at::kCPU, at::kLong));
+    mask_.narrow(1, length_, s).copy_(mask.to(at::kCPU, at::kLong));
+    length_ += s;
+  }
+
+  /// Token ids of the committed columns, [batch, length], int64, CPU.
+  at::Tensor tokens() const { return tokens_.narrow(1, 0, length_); }
+  /// Attention mask of the committed columns, [batch, length], int64 (1 real, 0 padding), CPU.
+  at::Tensor attention_mask() const { return mask_.narrow(1, 0, length_); }
+
+  /// Forgets every column from `length` on (keeps a shared prefix, drops the rest).
+  void truncate(int64_t length) {
+    VLMGEN_CHECK(length >= 0 && length <= length_, "cannot truncate a context of {} columns to {}", length_, length);
+    length_ = length;
+  }
+  void reset() { length_ = 0; }
+
+ private:
+  KvCacheSpec spec_;
+  int64_t batch_;
+  int64_t capacity_;
+  int64_t length_ = 0;
+  std::vector<at::Tensor> keys_;    // per layer [batch, kv_heads, capacity, head_dim]
+  std::vector<at::Tensor> values_;  // per layer [batch, kv_heads, capacity, head_dim]
+  at::Tensor tokens_;               // [batch, capacity], int64, CPU
+  at::Tensor mask_;                 // [batch, capacity], int64, CPU
+};
+
+}  // namespace vlmgen

@@ -1,0 +1,111 @@
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "vlmgen/inference_context.h"
+#include "vlmgen/positions.h"
+#include "vlmgen/vision_inputs.h"
+
+namespace vlmgen {
+
+/// What the generator needs to know about a model.
+struct ModelTraits {
+  /// Number of real token ids; logits may carry more columns (padded vocab), which are ignored.
+  int64_t vocab_size = 0;
+  /// The placeholder token of an image; unset for a text-only model.
+  std::optional<int64_t> image_token_id;
+  /// The placeholder token of a video frame group; videos are not sent by this version.
+  std::optional<int64_t> video_token_id;
+  /// Patches merged per side into one LM token (Qwen-VL: 2); 1 for none.
+  int64_t spatial_merge_size = 1;
+  VisionLayout vision_layout = VisionLayout::kPatchFlattened;
+  /// kPerImage: placeholder tokens per image when the count is fixed (0: the model overrides
+  /// placeholder_counts).
+  int64_t tokens_per_image = 0;
+  /// Longest sequence the model takes (0 = no limit).
+  int64_t max_sequence_length = 0;
+  /// The model reads and writes an InferenceContext when one is given.
+  bool supports_kv_cache = true;
+  /// The model can decode with a KV cache under sequence parallelism. When false, a KV-cache
+  /// request under SP falls back to full-prefix recompute (with vision replayed every step).
+  bool kv_cache_under_sequence_parallel = false;
+  /// The model can take part of an image's placeholder span in one call (the generator then
+  /// lets a window cut a span).
+  bool accepts_partial_image_span = false;
+  /// Shape of the KV cache the generator allocates for this model.
+  KvCacheSpec kv_cache;
+};
+
+class InferenceContext;
+
+/// One forward call: the token window [window_start, window_start + S) of every row.
+struct ForwardArgs {
+  /// [B, S], int64: the window's token ids.
+  at::Tensor input_ids;
+  /// [B, S] or [3, B, S] (M-RoPE), int64: the window's position ids.
+  at::Tensor position_ids;
+  /// [B, window_start + S], int64: 1 for real tokens, 0 for left padding, over every column up
+  /// to the window's end (cached columns included). Causality comes from column indices.
+  at::Tensor attention_mask;
+  /// The KV cache holding columns [0, window_start), or null for a full-prefix recompute
+  /// (then window_start is 0).
+  InferenceContext* context = nullptr;
+  /// The images whose placeholders are in the window (empty when none is sent).
+  VisionInputs vision;
+  /// Their indices in the request's bundle, ascending.
+  std::vector<int64_t> images;
+  /// [placeholders of `images`, hidden]: their embeddings, precomputed by encode_images and
+  /// kept by the generator for the whole request (its encoder cache). When defined, the model
+  /// uses these rows instead of running its vision tower on `vision`.
+  at::Tensor image_embeddings;
+  int64_t window_start = 0;
+  /// 0 for the prefill (every chunk of it), k for the call that yields the k+1-th token.
+  int64_t step = 0;
+};
+
+/// The model seam. Implement it for your model; wrap it in testing::ForwardSpy to see the calls.
+class CausalVlm {
+ public:
+  virtual ~CausalVlm() = default;
+
+  virtual const ModelTraits& traits() const = 0;
+
+  /// Logits [B, S, V] (V >= traits().vocab_size), floating point, for the window in `args`.
+  /// With a context the model appends the window's K/V to it (InferenceContext::append_kv)
+  /// but does not commit: the generator does.
+  virtual at::Tensor forward(const ForwardArgs& args) = 0;
+
+  /// Device the model's inputs should be on.
+  virtual at::Device device() const { return at::kCPU; }
+
+  /// Placeholder tokens each image of `vision` occupies. Default: from the grid and the merge
+  /// size (patch-flattened) or traits().tokens_per_image (per-image).
+  virtual std::vector<int64_t> placeholder_counts(const VisionInputs& vision) const {
+    return vision.placeholder_counts(traits().spatial_merge_size, traits().tokens_per_image);
+  }
+
+  /// True when encode_images is implemented: the generator then runs the vision tower once
+  /// per image per request and replays the embeddings instead of the pixels.
+  virtual bool can_encode_images() const { return false; }
+
+  /// Embeddings [sum of placeholder counts, hidden] of every image of `vision`, in image order.
+  virtual at::Tensor encode_images(const VisionInputs& vision) {
+    (void)vision;
+    VLMGEN_FAIL("this model does not implement encode_images (can_encode_images() is false)");
+  }
+
+  /// Position ids of a left-padded prompt ([B, L] ids and mask, CPU) with its images. Default:
+  /// 1-D positions. M-RoPE models return [3, B, L] positions and per-row deltas.
+  virtual RopePlan plan_positions(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                  const VisionInputs& vision) const {
+    (void)input_ids;
+    (void)vision;
+    return plan_1d_positions(attention_mask);
+  }
+};
+
+}  // namespace vlmgen

@@ -1,0 +1,128 @@
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "vlmgen/detail/tensor_utils.h"
+#include "vlmgen/detail/torch_compat.h"
+#include "vlmgen/error.h"
+
+namespace vlmgen {
+
+/// How the next token is chosen from the last position's logits.
+struct SamplingOptions {
+  /// 0: greedy (argmax, ties to the lowest id). > 0: sample from softmax(logits / temperature).
+  double temperature = 0.0;
+  /// Keep only the k most likely tokens before sampling (0: off).
+  int64_t top_k = 0;
+  /// Keep the smallest set of most likely tokens whose probability reaches top_p (1: off).
+  double top_p = 1.0;
+  /// Seed of every row's random stream; a row's tokens depend on its seed only, never on the
+  /// batch it runs in.
+  uint64_t seed = 0;
+  /// Per-row seeds overriding `seed` (empty: every row uses `seed`).
+  std::vector<uint64_t> row_seeds;
+  /// Token ids never chosen (the generator puts the model's image/video placeholders here).
+  std::vector<int64_t> suppressed_tokens;
+
+  bool greedy() const { return temperature <= 0.0; }
+
+  void validate(int64_t batch) const {
+    VLMGEN_CHECK(std::isfinite(temperature) && temperature >= 0.0, "temperature must be >= 0, got {}", temperature);
+    VLMGEN_CHECK(top_k >= 0, "top_k must be >= 0 (0 = off), got {}", top_k);
+    VLMGEN_CHECK(top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], got {}", top_p);
+    VLMGEN_CHECK(row_seeds.empty() || static_cast<int64_t>(row_seeds.size()) == batch,
+                 "row_seeds has {} entries for a batch of {} rows", row_seeds.size(), batch);
+  }
+};
+
+/// Chooses tokens for a batch, one random stream per row. Logits are read on the host in
+/// float32, so the same seed gives the same tokens on every device and every rank.
+class Sampler {
+ public:
+  Sampler(SamplingOptions options, int64_t batch) : options_(std::move(options)) {
+    options_.validate(batch);
+    if (!options_.greedy()) {
+      for (int64_t b = 0; b < batch; ++b) {
+        generators_.push_back(
+            detail::make_cpu_generator(options_.row_seeds.empty() ? options_.seed : options_.row_seeds[b]));
+      }
+    }
+  }
+
+  const SamplingOptions& options() const { return options_; }
+
+  /// Next token of every row from `logits` [B, V]; rows with active[b] == false get -1 and do
+  /// not advance their random stream. When `logprobs` is given, it receives
+  /// log_softmax(logits)[token] of each chosen token (the model's distribution, before
+  /// temperature, filtering and suppression).
+  std::vector<int64_t> choose(const at::Tensor& logits, const std::vector<bool>& active,
+                              std::vector<float>* logprobs = nullptr) {
+    VLMGEN_CHECK(logits.dim() == 2 && logits.size(0) == static_cast<int64_t>(active.size()),
+                 "sampler expects logits [{}, V], got {}", active.size(), detail::shape_str(logits));
+    const int64_t batch = logits.size(0);
+    std::vector<int64_t> tokens(static_cast<size_t>(batch), -1);
+    at::Tensor allowed = logits;
+    if (!options_.suppressed_tokens.empty()) {
+      allowed = logits.clone();
+      for (int64_t id : options_.suppressed_tokens) {
+        if (id >= 0 && id < logits.size(1)) allowed.select(1, id).fill_(-std::numeric_limits<float>::infinity());
+      }
+    }
+    at::Tensor host;
+    if (options_.greedy()) {
+      std::vector<int64_t> best = detail::to_int64_vector(allowed.argmax(-1));
+      for (int64_t b = 0; b < batch; ++b) {
+        if (active[b]) tokens[b] = best[b];
+      }
+    } else {
+      host = allowed.to(at::kCPU, at::kFloat).contiguous();
+      for (int64_t b = 0; b < batch; ++b) {
+        if (active[b]) tokens[b] = sample_row(host[b], generators_[b]);
+      }
+    }
+    if (logprobs != nullptr) {
+      at::Tensor lp = at::log_softmax(logits.to(at::kFloat), -1).to(at::kCPU);
+      logprobs->assign(static_cast<size_t>(batch), 0.0f);
+      auto acc = lp.accessor<float, 2>();
+      for (int64_t b = 0; b < batch; ++b) {
+        if (active[b]) (*logprobs)[b] = acc[b][tokens[b]];
+      }
+    }
+    return tokens;
+  }
+
+ private:
+  int64_t sample_row(const at::Tensor& row_logits, at::Generator& gen) const {
+    at::Tensor scaled = row_logits / options_.temperature;
+    const int64_t vocab = scaled.size(0);
+    at::Tensor candidates;  // token ids, most likely first
+    at::Tensor values;
+    if (options_.top_k > 0 && options_.top_k < vocab) {
+      std::tie(values, candidates) = at::topk(scaled, options_.top_k, 0, /*largest=*/true, /*sorted=*/true);
+    } else {
+      std::tie(values, candidates) = at::sort(scaled, 0, /*descending=*/true);
+    }
+    at::Tensor probs = at::softmax(values, 0);
+    if (options_.top_p < 1.0) {
+      // Keep tokens while the mass before them is below top_p: the first token always stays.
+      at::Tensor before = probs.cumsum(0) - probs;
+      at::Tensor keep = before < options_.top_p;
+      const int64_t kept = std::max<int64_t>(1, keep.sum().item<int64_t>());
+      probs = probs.narrow(0, 0, kept);
+      candidates = candidates.narrow(0, 0, kept);
+      probs = probs / probs.sum();
+    }
+    const int64_t pick = at::multinomial(probs, 1, /*replacement=*/false, gen).item<int64_t>();
+    return candidates[pick].item<int64_t>();
+  }
+
+  SamplingOptions options_;
+  std::vector<at::Generator> generators_;  // one per row, CPU
+};
+
+}  // namespace vlmgen

@@ -1,0 +1,137 @@
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "vlmgen/detail/tensor_utils.h"
+#include "vlmgen/model.h"
+
+namespace vlmgen::testing {
+
+/// What one forward call received, as ForwardSpy records it.
+struct ForwardCall {
+  int64_t index = 0;         ///< 0, 1, 2, ... over the spy's lifetime (until clear())
+  int64_t step = 0;          ///< ForwardArgs::step
+  int64_t window_start = 0;  ///< first column computed
+  int64_t window_end = 0;    ///< one past the last column computed
+  int64_t batch = 0;
+  bool had_context = false;  ///< a KV cache was passed
+  int64_t context_length = 0;  ///< columns already in that cache
+  /// Shapes of the vision tensors received; nullopt when the tensor was not sent.
+  std::optional<std::vector<int64_t>> pixel_values_shape;
+  std::optional<std::vector<int64_t>> image_grid_thw_shape;
+  std::optional<std::vector<int64_t>> image_sizes_shape;
+  std::optional<std::vector<int64_t>> image_embeddings_shape;
+  std::vector<int64_t> images;  ///< indices of the images sent (into the request's bundle)
+  /// Copies of what was sent (kept only when ForwardSpy::record_tensors is on).
+  at::Tensor input_ids;       // [B, S], int64, CPU
+  at::Tensor image_grid_thw;  // [n, 3], int64, CPU
+  at::Tensor logits;          // [B, S, V], CPU
+
+  bool has_pixel_values() const { return pixel_values_shape.has_value(); }
+  bool has_all_vision() const {
+    return pixel_values_shape.has_value() && image_grid_thw_shape.has_value() && image_sizes_shape.has_value();
+  }
+  bool has_any_vision() const {
+    return pixel_values_shape.has_value() || image_grid_thw_shape.has_value() || image_sizes_shape.has_value() ||
+           image_embeddings_shape.has_value();
+  }
+  int64_t window_size() const { return window_end - window_start; }
+};
+
+inline std::string format_shape(const std::optional<std::vector<int64_t>>& s) {
+  return s ? fmt::format("[{}]", fmt::join(*s, ",")) : std::string("-");
+}
+
+/// GoogleTest prints calls with this, so a failed EXPECT_THAT shows what the model got.
+inline void PrintTo(const ForwardCall& c, std::ostream* os) {
+  *os << fmt::format("call {} step {} window [{}, {}) {} pixel_values {} grid {} sizes {} embeddings {} images [{}]",
+                     c.index, c.step, c.window_start, c.window_end, c.had_context ? "kv" : "no-kv",
+                     format_shape(c.pixel_values_shape), format_shape(c.image_grid_thw_shape),
+                     format_shape(c.image_sizes_shape), format_shape(c.image_embeddings_shape),
+                     fmt::join(c.images, ","));
+}
+
+/// Wraps any CausalVlm and records every forward call: step, window, whether a KV context was
+/// present, which vision tensors came (with shapes) and which images they carried. Forwards
+/// everything else to the wrapped model, so the generator cannot tell the difference.
+///
+///   vlmgen::testing::ForwardSpy spy(model);
+///   vlmgen::Generator(spy).generate({{prompt}, vision}, config.enable_kv_cache(false));
+///   for (const auto& call : spy.calls()) EXPECT_TRUE(call.has_all_vision());
+///
+/// For gmock, set an observer: spy.on_call([&](const ForwardCall& c) { mock.Seen(c); });
+class ForwardSpy : public CausalVlm {
+ public:
+  explicit ForwardSpy(CausalVlm& inner) : inner_(inner) {}
+
+  /// Also keep copies of input_ids, the grid and the logits of every call. Default off.
+  ForwardSpy& record_tensors(bool on) {
+    record_tensors_ = on;
+    return *this;
+  }
+  /// Called after every forward call with what was recorded.
+  ForwardSpy& on_call(std::function<void(const ForwardCall&)> observer) {
+    observer_ = std::move(observer);
+    return *this;
+  }
+
+  const std::vector<ForwardCall>& calls() const { return calls_; }
+  void clear() { calls_.clear(); }
+
+  const ModelTraits& traits() const override { return inner_.traits(); }
+  at::Device device() const override { return inner_.device(); }
+  std::vector<int64_t> placeholder_counts(const VisionInputs& vision) const override {
+    return inner_.placeholder_counts(vision);
+  }
+  RopePlan plan_positions(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                          const VisionInputs& vision) const override {
+    return inner_.plan_positions(input_ids, attention_mask, vision);
+  }
+  bool can_encode_images() const override { return inner_.can_encode_images(); }
+  at::Tensor encode_images(const VisionInputs& vision) override { return inner_.encode_images(vision); }
+
+  at::Tensor forward(const ForwardArgs& args) override {
+    ForwardCall call;
+    call.index = next_index_++;
+    call.step = args.step;
+    call.window_start = args.window_start;
+    call.window_end = args.window_start + (args.input_ids.defined() ? args.input_ids.size(1) : 0);
+    call.batch = args.input_ids.defined() ? args.input_ids.size(0) : 0;
+    call.had_context = args.context != nullptr;
+    call.context_length = args.context != nullptr ? args.context->length() : 0;
+    auto shape_of = [](const at::Tensor& t) -> std::optional<std::vector<int64_t>> {
+      if (!t.defined()) return std::nullopt;
+      return t.sizes().vec();
+    };
+    call.pixel_values_shape = shape_of(args.vision.pixel_values);
+    call.image_grid_thw_shape = shape_of(args.vision.image_grid_thw);
+    call.image_sizes_shape = shape_of(args.vision.image_sizes);
+    call.image_embeddings_shape = shape_of(args.image_embeddings);
+    call.images = args.images;
+    if (record_tensors_) {
+      call.input_ids = args.input_ids.to(at::kCPU).clone();
+      if (args.vision.image_grid_thw.defined()) call.image_grid_thw = args.vision.image_grid_thw.to(at::kCPU).clone();
+    }
+    at::Tensor logits = inner_.forward(args);
+    if (record_tensors_) call.logits = logits.detach().to(at::kCPU).clone();
+    calls_.push_back(call);
+    if (observer_) observer_(calls_.back());
+    return logits;
+  }
+
+ private:
+  CausalVlm& inner_;
+  bool record_tensors_ = false;
+  std::function<void(const ForwardCall&)> observer_;
+  std::vector<ForwardCall> calls_;
+  int64_t next_index_ = 0;
+};
+
+}  // namespace vlmgen::testing

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One entry point for a fresh Debian 12 machine: installs what is missing (apt-get), builds,
+# then runs the main example or the whole test suite.
+#
+#   bash scripts/dev.sh demo     # install + build + run the main example
+#   bash scripts/dev.sh test     # install + build + run every test (ctest)
+#
+# Environment: BUILD_DIR (default: build), BUILD_TYPE (default: Release), JOBS (default: nproc).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+what="${1:-}"
+case "$what" in
+  demo|test) ;;
+  *) echo "usage: bash scripts/dev.sh demo|test" >&2; exit 2 ;;
+esac
+
+build_dir="${BUILD_DIR:-build}"
+build_type="${BUILD_TYPE:-Release}"
+jobs="${JOBS:-$(nproc)}"
+
+# libopenblas0-pthread: without it LibTorch's CPU matrix products run tens of times slower.
+packages=(cmake ninja-build g++ ccache pkg-config libtorch-dev libfmt-dev libgtest-dev libgmock-dev
+          libopenblas0-pthread nlohmann-json3-dev libstb-dev)
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if ((${#missing[@]})); then
+  echo "[dev.sh] installing: ${missing[*]}"
+  sudo_cmd=()
+  if [ "$(id -u)" != 0 ]; then sudo_cmd=(sudo); fi
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+echo "[dev.sh] configuring $build_dir ($build_type)"
+mkdir -p "$build_dir"
+cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE="$build_type" > "$build_dir/configure.log" 2>&1 ||
+  { cat "$build_dir/configure.log"; exit 1; }
+echo "[dev.sh] building with $jobs jobs"
+start=$(date +%s)
+cmake --build "$build_dir" -j "$jobs"
+echo "[dev.sh] built in $(( $(date +%s) - start )) s"
+
+if [ "$what" = demo ]; then
+  exec "$build_dir/examples/vlmgen-replay-demo"
+fi
+cd "$build_dir"
+exec ctest --output-on-failure -j "$jobs"
