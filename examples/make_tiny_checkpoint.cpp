@@ -1,0 +1,37 @@
+// Writes a random tiny Qwen2-VL checkpoint directory (config.json + model.safetensors) that
+// vlmgen-generate and the tests can load like a real one.
+//
+//   vlmgen-make-tiny-checkpoint --out /tmp/tiny-qwen2vl [--seed 7] [--tied]
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <string>
+
+#include "vlmgen/error.h"
+#include "vlmgen/models/qwen2_vl.h"
+
+int main(int argc, char** argv) {
+  CLI::App app("Write a random tiny Qwen2-VL checkpoint (config.json + model.safetensors)");
+  std::string out;
+  uint64_t seed = 0;
+  bool tied = false;
+  app.add_option("--out", out, "checkpoint directory to write (created when missing)")->required();
+  app.add_option("--seed", seed, "seed of the random weights")->capture_default_str();
+  app.add_flag("--tied", tied, "tie lm_head to the token embedding (no lm_head.weight stored)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    vlmgen::QwenVlConfig config = vlmgen::QwenVlConfig::tiny();
+    config.tie_word_embeddings = tied;
+    vlmgen::Qwen2Vl model(config, seed);
+    model.save_checkpoint(out);
+    int64_t params = 0;
+    for (const auto& [name, tensor] : model.named_weights()) params += tensor->numel();
+    fmt::print("wrote {} ({} parameters, hidden {}, {} layers, vocab {}, image token {})\n", out, params,
+               config.hidden_size, config.num_hidden_layers, config.vocab_size, config.image_token_id);
+  } catch (const vlmgen::Error& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,72 @@
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace vlmgen {
+
+/// One tensor's entry in a safetensors header.
+struct SafetensorsEntry {
+  std::string name;
+  at::ScalarType dtype = at::kFloat;  // F32, F16 or BF16 (also I64/I32/U8/BOOL for non-weights)
+  std::vector<int64_t> shape;
+  int64_t begin = 0;  // byte offsets into the data section
+  int64_t end = 0;
+};
+
+/// A memory-mapped .safetensors file. Tensors are read lazily; `narrow` reads only a slice of a
+/// tensor along one dimension (for loading a tensor-parallel shard without reading the rest).
+/// Malformed files throw vlmgen::Error naming the file and what is wrong.
+class SafetensorsFile {
+ public:
+  explicit SafetensorsFile(const std::string& path);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  bool contains(const std::string& name) const;
+  std::vector<std::string> names() const;                       // sorted
+  const SafetensorsEntry& entry(const std::string& name) const; // throws when absent
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+
+  /// The whole tensor, copied out of the mapping (CPU, the file's dtype).
+  at::Tensor tensor(const std::string& name) const;
+  /// Rows [start, start + length) of dimension `dim` only.
+  at::Tensor narrow(const std::string& name, int64_t dim, int64_t start, int64_t length) const;
+
+ private:
+  std::string path_;
+  std::map<std::string, SafetensorsEntry> entries_;
+  std::map<std::string, std::string> metadata_;
+  const uint8_t* data_ = nullptr;  // start of the data section inside the mapping
+  size_t mapped_size_ = 0;
+  void* mapping_ = nullptr;
+};
+
+/// A checkpoint made of one model.safetensors or shards listed in model.safetensors.index.json.
+class SafetensorsCheckpoint {
+ public:
+  /// `dir` holds model.safetensors or model.safetensors.index.json (+ its shards).
+  explicit SafetensorsCheckpoint(const std::string& dir);
+  bool contains(const std::string& name) const;
+  std::vector<std::string> names() const;  // sorted
+  const SafetensorsEntry& entry(const std::string& name) const;
+  at::Tensor tensor(const std::string& name) const;
+  at::Tensor narrow(const std::string& name, int64_t dim, int64_t start, int64_t length) const;
+
+ private:
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, size_t> owner_;  // tensor name -> index into files_
+};
+
+/// Writes `tensors` (contiguous CPU copies are made as needed) to `path` in safetensors format.
+void save_safetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,
+                      const std::map<std::string, std::string>& metadata = {});
+
+}  // namespace vlmgen

@@ -1,0 +1,153 @@
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "vlmgen/model.h"
+#include "vlmgen/models/qwen_vl_config.h"
+
+namespace vlmgen {
+
+/// Weight groups of the reference Qwen2-VL. Each linear keeps its weight and bias apart so
+/// tensor parallelism can shard q/k/v/gate/up by rows and o/down by columns without unfusing.
+namespace qwen2_vl {
+
+struct Linear {
+  at::Tensor weight;  // [out, in], float32
+  at::Tensor bias;    // [out], float32; undefined for a linear without bias
+};
+
+struct LayerNorm {
+  at::Tensor weight;  // [dim], float32
+  at::Tensor bias;    // [dim], float32
+};
+
+struct VisionBlock {
+  LayerNorm norm1;  // over embed_dim
+  Linear qkv;       // weight [3 * embed_dim, embed_dim], bias [3 * embed_dim]; rows q, k, v
+  Linear proj;      // weight [embed_dim, embed_dim], bias [embed_dim]
+  LayerNorm norm2;  // over embed_dim
+  Linear fc1;       // weight [embed_dim * mlp_ratio, embed_dim], bias [embed_dim * mlp_ratio]
+  Linear fc2;       // weight [embed_dim, embed_dim * mlp_ratio], bias [embed_dim]
+};
+
+struct VisionTower {
+  at::Tensor patch_embed;           // [embed_dim, in_channels, temporal_patch, patch, patch], float32 (Conv3d, no bias)
+  std::vector<VisionBlock> blocks;  // depth
+  LayerNorm ln_q;                   // over embed_dim
+  Linear merger_fc1;                // weight [embed_dim * merge^2, embed_dim * merge^2], bias [embed_dim * merge^2]
+  Linear merger_fc2;                // weight [hidden, embed_dim * merge^2], bias [hidden]
+};
+
+struct DecoderLayer {
+  at::Tensor input_layernorm;           // [hidden], float32 (RMSNorm)
+  Linear q_proj;                        // weight [heads * head_dim, hidden], bias [heads * head_dim]
+  Linear k_proj;                        // weight [kv_heads * head_dim, hidden], bias [kv_heads * head_dim]
+  Linear v_proj;                        // weight [kv_heads * head_dim, hidden], bias [kv_heads * head_dim]
+  Linear o_proj;                        // weight [hidden, heads * head_dim], no bias
+  at::Tensor post_attention_layernorm;  // [hidden], float32 (RMSNorm)
+  Linear gate_proj;                     // weight [intermediate, hidden], no bias
+  Linear up_proj;                       // weight [intermediate, hidden], no bias
+  Linear down_proj;                     // weight [hidden, intermediate], no bias
+};
+
+struct LanguageModel {
+  at::Tensor embed_tokens;           // [vocab, hidden], float32
+  std::vector<DecoderLayer> layers;  // num_hidden_layers
+  at::Tensor norm;                   // [hidden], float32 (final RMSNorm)
+  at::Tensor lm_head;                // [vocab, hidden], float32; the same tensor as embed_tokens when tied
+};
+
+}  // namespace qwen2_vl
+
+/// The reference vision-language model: Qwen2-VL (vision tower with 2-D rotary attention and a
+/// patch merger, Qwen2 decoder with M-RoPE) in fp32 ATen, loadable from HF safetensors.
+///
+///   auto model = vlmgen::Qwen2Vl::from_checkpoint("/models/Qwen2-VL-2B-Instruct");
+///   vlmgen::InferenceContext ctx(model->traits().kv_cache, /*batch=*/1, /*capacity=*/1024);
+///   at::Tensor logits = model->forward(args);   // [B, S, vocab]
+class Qwen2Vl : public CausalVlm {
+ public:
+  /// Random weights (normal with std `init_std`, RMS/LayerNorm weights around 1), drawn on the
+  /// CPU from one generator seeded with `seed`: same config and seed, same weights. Throws vlmgen::Error for a config
+  /// the architecture cannot run (heads not dividing, mrope_section not summing to head_dim / 2, ...).
+  explicit Qwen2Vl(const QwenVlConfig& config, uint64_t seed = 0, double init_std = 0.02);
+
+  /// Reads `dir`/config.json and the safetensors weights in `dir`. Accepts both HF spellings
+  /// (`visual.*` + `model.*` and the newer `model.visual.*` + `model.language_model.*`), converts
+  /// F16/BF16 to fp32, and ties lm_head to the embedding when the config says so or the
+  /// checkpoint has no `lm_head.weight`. Missing tensors are listed by name in a vlmgen::Error.
+  static std::unique_ptr<Qwen2Vl> from_checkpoint(const std::string& dir);
+
+  /// Writes `dir`/config.json and `dir`/model.safetensors (HF `visual.*`/`model.*` names; no
+  /// `lm_head.weight` when tied). Creates `dir` when needed.
+  void save_checkpoint(const std::string& dir) const;
+
+  const ModelTraits& traits() const override { return traits_; }
+  /// Logits [B, S, vocab], float32. Image placeholders in the window take, in order, the rows
+  /// of args.image_embeddings when defined, else the vision tower's output for args.vision; the
+  /// counts must match exactly (vlmgen::Error with both numbers). With neither, placeholders
+  /// embed as ordinary tokens. With a context, appends each layer's K/V without committing.
+  at::Tensor forward(const ForwardArgs& args) override;
+  at::Device device() const override { return lm_.embed_tokens.device(); }
+
+  bool can_encode_images() const override { return true; }
+  /// Runs the vision tower: [sum of placeholder counts, hidden], float32, in image order.
+  at::Tensor encode_images(const VisionInputs& vision) override;
+
+  /// Qwen2-VL's M-RoPE index rule (HF get_rope_index): text advances t/h/w together; an image
+  /// of merged grid (t, h, w) takes (t_i, h_i, w_i) offset by the text before it, and text after
+  /// it resumes at the largest position so far + 1. Returns [3, B, L] and delta[b] =
+  /// (largest position of row b + 1) - (real tokens of row b). With an empty bundle placeholder
+  /// tokens count as text.
+  RopePlan plan_positions(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                          const VisionInputs& vision) const override;
+
+  const QwenVlConfig& config() const { return config_; }
+  /// True when lm_head is the embedding matrix (one tensor, stored once).
+  bool tied_embeddings() const { return config_.tie_word_embeddings; }
+
+  /// Every weight under its HF name (`visual.*`, `model.*`, `lm_head.weight`), each tensor once:
+  /// a tied lm_head is not listed. Pointers stay valid for the model's lifetime.
+  std::vector<std::pair<std::string, at::Tensor*>> named_weights();
+  std::vector<std::pair<std::string, const at::Tensor*>> named_weights() const;
+
+  qwen2_vl::VisionTower& vision_tower() { return vision_; }
+  const qwen2_vl::VisionTower& vision_tower() const { return vision_; }
+  qwen2_vl::LanguageModel& language_model() { return lm_; }
+  const qwen2_vl::LanguageModel& language_model() const { return lm_; }
+
+  /// Moves every weight to `device` (keeps a tied lm_head tied).
+  void to(at::Device device);
+
+  /// How many times the vision tower ran (forward with pixels, or encode_images); for tests of
+  /// encoder caching.
+  int64_t vision_tower_calls() const { return vision_tower_calls_; }
+
+ private:
+  struct Uninitialized {};
+  Qwen2Vl(const QwenVlConfig& config, Uninitialized);
+
+  void allocate_weights();
+  void init_random(uint64_t seed, double init_std);
+  void tie_lm_head();
+
+  /// Vision tower over a validated bundle: [sum_i t_i*h_i*w_i / merge^2, hidden].
+  at::Tensor run_vision_tower(const VisionInputs& vision);
+  /// Decoder over embeddings [B, S, hidden]: logits [B, S, vocab].
+  at::Tensor run_language_model(at::Tensor hidden, const at::Tensor& position_ids, const at::Tensor& attention_mask,
+                                int64_t window_start, InferenceContext* context) const;
+
+  QwenVlConfig config_;
+  ModelTraits traits_;
+  qwen2_vl::VisionTower vision_;
+  qwen2_vl::LanguageModel lm_;
+  int64_t vision_tower_calls_ = 0;
+};
+
+}  // namespace vlmgen

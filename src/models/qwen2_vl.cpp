@@ -1,0 +1,377 @@
+#include "vlmgen/models/qwen2_vl.h"
+
+#include <algorithm>
+#include <array>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "vlmgen/detail/tensor_utils.h"
+#include "vlmgen/detail/torch_compat.h"
+#include "vlmgen/error.h"
+#include "vlmgen/inference_context.h"
+
+namespace vlmgen {
+namespace {
+
+/// The requirements this implementation has of a config, checked before any allocation so a bad
+/// config.json fails with the field's name rather than a shape error deep in a forward call.
+void check_config(const QwenVlConfig& c) {
+  VLMGEN_CHECK(c.hidden_size >= 1 && c.num_hidden_layers >= 1 && c.intermediate_size >= 1 && c.vocab_size >= 1,
+               "Qwen2-VL config needs positive hidden_size, num_hidden_layers, intermediate_size and vocab_size, "
+               "got {}, {}, {}, {}",
+               c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size);
+  VLMGEN_CHECK(
+      c.num_attention_heads >= 1 && c.num_key_value_heads >= 1 && c.num_attention_heads % c.num_key_value_heads == 0,
+      "num_attention_heads {} must be a positive multiple of num_key_value_heads {}", c.num_attention_heads,
+      c.num_key_value_heads);
+  VLMGEN_CHECK(c.head_dim >= 2 && c.head_dim % 2 == 0, "head_dim must be even and >= 2, got {}", c.head_dim);
+  VLMGEN_CHECK(c.mrope_section.size() == 3, "mrope_section must have 3 entries (t, h, w), got {}",
+               c.mrope_section.size());
+  const int64_t section_sum = std::accumulate(c.mrope_section.begin(), c.mrope_section.end(), int64_t{0});
+  VLMGEN_CHECK(section_sum == c.head_dim / 2 &&
+                   std::all_of(c.mrope_section.begin(), c.mrope_section.end(), [](int64_t s) { return s >= 0; }),
+               "mrope_section [{}] must be non-negative and sum to head_dim / 2 = {}, sums to {}",
+               fmt::join(c.mrope_section, ", "), c.head_dim / 2, section_sum);
+  VLMGEN_CHECK(c.image_token_id >= 0 && c.image_token_id < c.vocab_size,
+               "image_token_id {} is outside the vocabulary of {}", c.image_token_id, c.vocab_size);
+  const QwenVisionConfig& v = c.vision;
+  VLMGEN_CHECK(v.depth >= 0 && v.embed_dim >= 1 && v.num_heads >= 1 && v.embed_dim % v.num_heads == 0,
+               "vision embed_dim {} must be a positive multiple of vision num_heads {} (depth {})", v.embed_dim,
+               v.num_heads, v.depth);
+  // The 2-D rotary splits half of each head between h and w, and rotate_half halves that again.
+  VLMGEN_CHECK((v.embed_dim / v.num_heads) % 4 == 0,
+               "vision head_dim {} (embed_dim {} / num_heads {}) must be a multiple of 4", v.embed_dim / v.num_heads,
+               v.embed_dim, v.num_heads);
+  VLMGEN_CHECK(v.in_channels >= 1 && v.patch_size >= 1 && v.temporal_patch_size >= 1 && v.spatial_merge_size >= 1 &&
+                   v.mlp_ratio >= 1,
+               "vision in_channels {}, patch_size {}, temporal_patch_size {}, spatial_merge_size {} and mlp_ratio {} "
+               "must be positive",
+               v.in_channels, v.patch_size, v.temporal_patch_size, v.spatial_merge_size, v.mlp_ratio);
+  VLMGEN_CHECK(v.hidden_size == c.hidden_size,
+               "vision_config.hidden_size {} (the merger's output) must equal the LM hidden_size {}", v.hidden_size,
+               c.hidden_size);
+  VLMGEN_CHECK(v.hidden_act == "quick_gelu" || v.hidden_act == "gelu",
+               "vision hidden_act \"{}\" is not supported (quick_gelu or gelu)", v.hidden_act);
+}
+
+ModelTraits make_traits(const QwenVlConfig& c) {
+  ModelTraits t;
+  t.vocab_size = c.vocab_size;
+  t.image_token_id = c.image_token_id;
+  t.video_token_id = c.video_token_id;
+  t.spatial_merge_size = c.vision.spatial_merge_size;
+  t.vision_layout = VisionLayout::kPatchFlattened;
+  t.max_sequence_length = c.max_position_embeddings;
+  t.supports_kv_cache = true;
+  // Sequence parallelism only splits activations between blocks; the cache holds full K/V.
+  t.kv_cache_under_sequence_parallel = true;
+  t.accepts_partial_image_span = false;
+  t.kv_cache.num_layers = c.num_hidden_layers;
+  t.kv_cache.num_kv_heads = c.num_key_value_heads;
+  t.kv_cache.head_dim = c.head_dim;
+  t.kv_cache.dtype = at::kFloat;
+  return t;
+}
+
+bool is_norm_weight(const std::string& name) {
+  auto ends_with = [&](const std::string& suffix) {
+    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  return ends_with("norm1.weight") || ends_with("norm2.weight") || ends_with("ln_q.weight") ||
+         ends_with("layernorm.weight") || name == "model.norm.weight";
+}
+
+}  // namespace
+
+Qwen2Vl::Qwen2Vl(const QwenVlConfig& config, Uninitialized) : config_(config) {
+  check_config(config_);
+  traits_ = make_traits(config_);
+  allocate_weights();
+}
+
+Qwen2Vl::Qwen2Vl(const QwenVlConfig& config, uint64_t seed, double init_std) : Qwen2Vl(config, Uninitialized{}) {
+  VLMGEN_CHECK(init_std >= 0.0, "init_std must be >= 0, got {}", init_std);
+  init_random(seed, init_std);
+}
+
+void Qwen2Vl::allocate_weights() {
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  auto linear = [&](int64_t out, int64_t in, bool bias) {
+    qwen2_vl::Linear l;
+    l.weight = at::empty({out, in}, opts);
+    if (bias) l.bias = at::empty({out}, opts);
+    return l;
+  };
+  auto layer_norm = [&](int64_t dim) { return qwen2_vl::LayerNorm{at::empty({dim}, opts), at::empty({dim}, opts)}; };
+
+  const QwenVisionConfig& v = config_.vision;
+  const int64_t e = v.embed_dim;
+  const int64_t merged = e * v.spatial_merge_size * v.spatial_merge_size;
+  vision_.patch_embed = at::empty({e, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size}, opts);
+  vision_.blocks.clear();
+  for (int64_t i = 0; i < v.depth; ++i) {
+    qwen2_vl::VisionBlock b;
+    b.norm1 = layer_norm(e);
+    b.qkv = linear(3 * e, e, true);
+    b.proj = linear(e, e, true);
+    b.norm2 = layer_norm(e);
+    b.fc1 = linear(e * v.mlp_ratio, e, true);
+    b.fc2 = linear(e, e * v.mlp_ratio, true);
+    vision_.blocks.push_back(std::move(b));
+  }
+  vision_.ln_q = layer_norm(e);
+  vision_.merger_fc1 = linear(merged, merged, true);
+  vision_.merger_fc2 = linear(config_.hidden_size, merged, true);
+
+  const int64_t h = config_.hidden_size;
+  const int64_t q_out = config_.num_attention_heads * config_.head_dim;
+  const int64_t kv_out = config_.num_key_value_heads * config_.head_dim;
+  lm_.embed_tokens = at::empty({config_.vocab_size, h}, opts);
+  lm_.layers.clear();
+  for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
+    qwen2_vl::DecoderLayer l;
+    l.input_layernorm = at::empty({h}, opts);
+    l.q_proj = linear(q_out, h, true);
+    l.k_proj = linear(kv_out, h, true);
+    l.v_proj = linear(kv_out, h, true);
+    l.o_proj = linear(h, q_out, false);
+    l.post_attention_layernorm = at::empty({h}, opts);
+    l.gate_proj = linear(config_.intermediate_size, h, false);
+    l.up_proj = linear(config_.intermediate_size, h, false);
+    l.down_proj = linear(h, config_.intermediate_size, false);
+    lm_.layers.push_back(std::move(l));
+  }
+  lm_.norm = at::empty({h}, opts);
+  if (config_.tie_word_embeddings) {
+    tie_lm_head();
+  } else {
+    lm_.lm_head = at::empty({config_.vocab_size, h}, opts);
+  }
+}
+
+void Qwen2Vl::init_random(uint64_t seed, double init_std) {
+  // One generator walked in named_weights() order: the same weights on every build and device.
+  at::Generator gen = detail::make_cpu_generator(seed);
+  for (auto& [name, tensor] : named_weights()) {
+    // Norm weights near 1 (not exactly 1) so a test mixing up two norms can tell them apart.
+    tensor->normal_(is_norm_weight(name) ? 1.0 : 0.0, init_std, gen);
+  }
+}
+
+void Qwen2Vl::tie_lm_head() {
+  config_.tie_word_embeddings = true;
+  lm_.lm_head = lm_.embed_tokens;  // same TensorImpl: one copy of the matrix
+}
+
+std::vector<std::pair<std::string, at::Tensor*>> Qwen2Vl::named_weights() {
+  std::vector<std::pair<std::string, at::Tensor*>> out;
+  auto add_linear = [&](const std::string& prefix, qwen2_vl::Linear& l) {
+    out.emplace_back(prefix + ".weight", &l.weight);
+    if (l.bias.defined()) out.emplace_back(prefix + ".bias", &l.bias);
+  };
+  auto add_layer_norm = [&](const std::string& prefix, qwen2_vl::LayerNorm& n) {
+    out.emplace_back(prefix + ".weight", &n.weight);
+    out.emplace_back(prefix + ".bias", &n.bias);
+  };
+  out.emplace_back("visual.patch_embed.proj.weight", &vision_.patch_embed);
+  for (size_t i = 0; i < vision_.blocks.size(); ++i) {
+    const std::string p = "visual.blocks." + std::to_string(i);
+    qwen2_vl::VisionBlock& b = vision_.blocks[i];
+    add_layer_norm(p + ".norm1", b.norm1);
+    add_layer_norm(p + ".norm2", b.norm2);
+    add_linear(p + ".attn.qkv", b.qkv);
+    add_linear(p + ".attn.proj", b.proj);
+    add_linear(p + ".mlp.fc1", b.fc1);
+    add_linear(p + ".mlp.fc2", b.fc2);
+  }
+  add_layer_norm("visual.merger.ln_q", vision_.ln_q);
+  add_linear("visual.merger.mlp.0", vision_.merger_fc1);
+  add_linear("visual.merger.mlp.2", vision_.merger_fc2);
+
+  out.emplace_back("model.embed_tokens.weight", &lm_.embed_tokens);
+  for (size_t i = 0; i < lm_.layers.size(); ++i) {
+    const std::string p = "model.layers." + std::to_string(i);
+    qwen2_vl::DecoderLayer& l = lm_.layers[i];
+    add_linear(p + ".self_attn.q_proj", l.q_proj);
+    add_linear(p + ".self_attn.k_proj", l.k_proj);
+    add_linear(p + ".self_attn.v_proj", l.v_proj);
+    add_linear(p + ".self_attn.o_proj", l.o_proj);
+    add_linear(p + ".mlp.gate_proj", l.gate_proj);
+    add_linear(p + ".mlp.up_proj", l.up_proj);
+    add_linear(p + ".mlp.down_proj", l.down_proj);
+    out.emplace_back(p + ".input_layernorm.weight", &l.input_layernorm);
+    out.emplace_back(p + ".post_attention_layernorm.weight", &l.post_attention_layernorm);
+  }
+  out.emplace_back("model.norm.weight", &lm_.norm);
+  if (!config_.tie_word_embeddings) out.emplace_back("lm_head.weight", &lm_.lm_head);
+  return out;
+}
+
+std::vector<std::pair<std::string, const at::Tensor*>> Qwen2Vl::named_weights() const {
+  // The pointers are only handed out as const, so walking the tensors through the non-const
+  // listing does not modify anything.
+  auto mutable_list = const_cast<Qwen2Vl*>(this)->named_weights();
+  return {mutable_list.begin(), mutable_list.end()};
+}
+
+void Qwen2Vl::to(at::Device device) {
+  for (auto& [name, tensor] : named_weights()) *tensor = tensor->to(device);
+  if (config_.tie_word_embeddings) tie_lm_head();
+}
+
+at::Tensor Qwen2Vl::encode_images(const VisionInputs& vision) {
+  VLMGEN_CHECK(!vision.empty() && vision.num_images() > 0, "encode_images needs at least one image");
+  return run_vision_tower(vision);
+}
+
+at::Tensor Qwen2Vl::forward(const ForwardArgs& args) {
+  const at::Tensor& ids_in = args.input_ids;
+  VLMGEN_CHECK(ids_in.defined() && ids_in.dim() == 2 && ids_in.size(1) >= 1,
+               "input_ids must be [B, S] with S >= 1, got {}", detail::shape_str(ids_in));
+  VLMGEN_CHECK(detail::is_integral(ids_in), "input_ids must be an integer tensor, got {}",
+               c10::toString(ids_in.scalar_type()));
+  const int64_t b = ids_in.size(0);
+  const int64_t s = ids_in.size(1);
+  const int64_t start = args.window_start;
+  VLMGEN_CHECK(start >= 0, "window_start must be >= 0, got {}", start);
+  const at::Device dev = device();
+  at::Tensor ids = ids_in.to(dev, at::kLong);
+  const int64_t min_id = ids.min().item<int64_t>();
+  const int64_t max_id = ids.max().item<int64_t>();
+  VLMGEN_CHECK(min_id >= 0 && max_id < config_.vocab_size, "token ids must be in [0, {}), got ids in [{}, {}]",
+               config_.vocab_size, min_id, max_id);
+
+  at::Tensor mask;
+  if (args.attention_mask.defined()) {
+    VLMGEN_CHECK(
+        args.attention_mask.dim() == 2 && args.attention_mask.size(0) == b && args.attention_mask.size(1) == start + s,
+        "attention_mask must be [{}, {}] (window_start {} + window {}), got {}", b, start + s, start, s,
+        detail::shape_str(args.attention_mask));
+    mask = args.attention_mask.to(dev, at::kLong);
+  } else {
+    mask = at::ones({b, start + s}, at::TensorOptions().dtype(at::kLong).device(dev));
+  }
+
+  VLMGEN_CHECK(args.position_ids.defined(), "position_ids are required ([B, S] or [3, B, S])");
+  at::Tensor positions = args.position_ids.to(dev, at::kLong);
+  if (positions.dim() == 2) positions = positions.unsqueeze(0).expand({3, b, s});
+  VLMGEN_CHECK(positions.dim() == 3 && positions.size(0) == 3 && positions.size(1) == b && positions.size(2) == s,
+               "position_ids must be [{}, {}] or [3, {}, {}], got {}", b, s, b, s,
+               detail::shape_str(args.position_ids));
+
+  if (args.context != nullptr) {
+    VLMGEN_CHECK(args.context->length() == start, "the KV cache holds {} columns but the window starts at column {}",
+                 args.context->length(), start);
+    VLMGEN_CHECK(args.context->batch_size() == b, "the KV cache has {} rows but the window has {}",
+                 args.context->batch_size(), b);
+  }
+
+  at::Tensor hidden = at::embedding(lm_.embed_tokens, ids);  // [B, S, hidden], a fresh tensor
+
+  const bool have_embeddings = args.image_embeddings.defined();
+  if (have_embeddings || !args.vision.empty()) {
+    at::Tensor placeholder = ids.eq(config_.image_token_id).reshape({b * s});
+    const int64_t placeholders = placeholder.sum().item<int64_t>();
+    // Compare counts before running the tower: a mismatch costs nothing and leaves the counter.
+    int64_t rows = 0;
+    if (have_embeddings) {
+      VLMGEN_CHECK(args.image_embeddings.dim() == 2 && args.image_embeddings.size(1) == config_.hidden_size,
+                   "image_embeddings must be [rows, {}], got {}", config_.hidden_size,
+                   detail::shape_str(args.image_embeddings));
+      rows = args.image_embeddings.size(0);
+    } else {
+      args.vision.validate(config_.vision.spatial_merge_size);
+      for (int64_t c : placeholder_counts(args.vision)) rows += c;
+    }
+    VLMGEN_CHECK(placeholders == rows,
+                 "the window has {} image placeholder tokens but the {} carry {} embedding rows ({} images); "
+                 "placeholders and embeddings must match exactly",
+                 placeholders, have_embeddings ? "image_embeddings" : "vision inputs", rows,
+                 have_embeddings ? static_cast<int64_t>(args.images.size()) : args.vision.num_images());
+    at::Tensor rows_to_place =
+        have_embeddings ? args.image_embeddings.to(dev, at::kFloat) : run_vision_tower(args.vision);
+    at::Tensor where = placeholder.nonzero().squeeze(1);
+    hidden.view({b * s, config_.hidden_size}).index_copy_(0, where, rows_to_place);
+  }
+  // Without vision, placeholder tokens embed as ordinary tokens: the legacy step-zero behaviour
+  // that the replay tests reproduce on purpose.
+
+  return run_language_model(hidden, positions, mask, start, args.context);
+}
+
+RopePlan Qwen2Vl::plan_positions(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                 const VisionInputs& vision) const {
+  VLMGEN_CHECK(input_ids.defined() && input_ids.dim() == 2, "input_ids must be [B, L], got {}",
+               detail::shape_str(input_ids));
+  VLMGEN_CHECK(attention_mask.defined() && attention_mask.sizes() == input_ids.sizes(),
+               "attention_mask {} must match input_ids {}", detail::shape_str(attention_mask),
+               detail::shape_str(input_ids));
+  const int64_t b = input_ids.size(0);
+  const int64_t l = input_ids.size(1);
+  const std::vector<int64_t> ids = detail::to_int64_vector(input_ids);
+  const std::vector<int64_t> mask = detail::to_int64_vector(attention_mask);
+  std::vector<std::array<int64_t, 3>> grids;
+  if (!vision.empty()) {
+    vision.validate(config_.vision.spatial_merge_size);
+    grids = vision.grids();
+  }
+  const int64_t m = config_.vision.spatial_merge_size;
+  const int64_t image_token = config_.image_token_id;
+
+  at::Tensor positions = at::ones({3, b, l}, at::kLong);  // padding columns keep 1, as HF does
+  int64_t* pos = positions.data_ptr<int64_t>();
+  auto set = [&](int64_t axis, int64_t row, int64_t col, int64_t value) { pos[(axis * b + row) * l + col] = value; };
+  std::vector<int64_t> delta(static_cast<size_t>(b), 0);
+  size_t next_image = 0;
+
+  for (int64_t r = 0; r < b; ++r) {
+    std::vector<int64_t> cols;
+    for (int64_t c = 0; c < l; ++c) {
+      if (mask[r * l + c] != 0) cols.push_back(c);
+    }
+    const int64_t n = static_cast<int64_t>(cols.size());
+    int64_t next = 0;  // first position after everything placed so far (max + 1)
+    int64_t i = 0;
+    while (i < n) {
+      if (ids[r * l + cols[i]] != image_token || grids.empty()) {
+        for (int64_t a = 0; a < 3; ++a) set(a, r, cols[i], next);
+        ++next;
+        ++i;
+        continue;
+      }
+      VLMGEN_CHECK(next_image < grids.size(),
+                   "row {} has an image placeholder run at column {} but the bundle's {} images are already used", r,
+                   cols[i], grids.size());
+      const auto [t, h, w] = grids[next_image];
+      const int64_t gh = h / m;
+      const int64_t gw = w / m;
+      const int64_t count = t * gh * gw;
+      int64_t run = 0;
+      while (i + run < n && run < count && ids[r * l + cols[i + run]] == image_token) ++run;
+      VLMGEN_CHECK(run == count,
+                   "image {} (grid {}x{}x{}, merge {}) needs {} placeholder tokens at row {} column {}, found {}",
+                   next_image, t, h, w, m, count, r, cols[i], run);
+      int64_t k = i;
+      for (int64_t ti = 0; ti < t; ++ti) {
+        for (int64_t hi = 0; hi < gh; ++hi) {
+          for (int64_t wi = 0; wi < gw; ++wi, ++k) {
+            set(0, r, cols[k], next + ti);
+            set(1, r, cols[k], next + hi);
+            set(2, r, cols[k], next + wi);
+          }
+        }
+      }
+      next += std::max({t, gh, gw});
+      i += count;
+      ++next_image;
+    }
+    delta[r] = next - n;
+  }
+  VLMGEN_CHECK(grids.empty() || next_image == grids.size(),
+               "the prompt has placeholder runs for {} images but the vision bundle has {}", next_image, grids.size());
+  return {positions, delta};
+}
+
+}  // namespace vlmgen

@@ -1,0 +1,95 @@
+// The Qwen2 decoder of Qwen2-VL: RMSNorm, GQA with q/k/v bias and M-RoPE, SwiGLU MLP.
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "qwen2_vl_ops.h"
+#include "vlmgen/inference_context.h"
+#include "vlmgen/models/qwen2_vl.h"
+
+namespace vlmgen {
+namespace {
+
+/// cos and sin of M-RoPE for positions [3, B, S]: [B, 1, S, head_dim] each. Frequency j of the
+/// rotary half takes its angle from the axis (t, h or w) whose mrope_section chunk holds j; the
+/// same choice applies to both halves, since HF repeats the sections over cat(freqs, freqs).
+std::pair<at::Tensor, at::Tensor> mrope_cos_sin(const at::Tensor& positions, const QwenVlConfig& c) {
+  const int64_t half = c.head_dim / 2;
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(positions.device());
+  at::Tensor exponent = at::arange(0, c.head_dim, 2, opts) / static_cast<double>(c.head_dim);
+  at::Tensor inv_freq = at::pow(c.rope_theta, exponent).reciprocal();     // [head_dim / 2]
+  at::Tensor angles = positions.to(at::kFloat).unsqueeze(-1) * inv_freq;  // [3, B, S, head_dim / 2]
+  std::vector<at::Tensor> chunks;
+  int64_t offset = 0;
+  for (int64_t axis = 0; axis < 3; ++axis) {
+    const int64_t width = c.mrope_section[axis];
+    if (width > 0) chunks.push_back(angles[axis].narrow(-1, offset, width));
+    offset += width;
+  }
+  TORCH_INTERNAL_ASSERT(offset == half);
+  at::Tensor chosen = at::cat(chunks, -1);         // [B, S, head_dim / 2]
+  at::Tensor emb = at::cat({chosen, chosen}, -1);  // [B, S, head_dim]
+  return {emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)};
+}
+
+}  // namespace
+
+at::Tensor Qwen2Vl::run_language_model(at::Tensor x, const at::Tensor& position_ids, const at::Tensor& attention_mask,
+                                       int64_t window_start, InferenceContext* context) const {
+  const QwenVlConfig& c = config_;
+  const int64_t b = x.size(0);
+  const int64_t s = x.size(1);
+  const int64_t heads = c.num_attention_heads;
+  const int64_t kv_heads = c.num_key_value_heads;
+  const int64_t groups = heads / kv_heads;
+  const int64_t head_dim = c.head_dim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+
+  auto [cos, sin] = mrope_cos_sin(position_ids, c);
+
+  // Keys are the cached columns [0, window_start) plus the window; without a cache only the
+  // window. Query column q sees key column k when k <= q and the key is not padding.
+  const int64_t key_begin = context != nullptr ? 0 : window_start;
+  const int64_t key_end = window_start + s;
+  const auto long_opts = at::TensorOptions().dtype(at::kLong).device(x.device());
+  at::Tensor query_cols = at::arange(window_start, key_end, long_opts).unsqueeze(1);     // [S, 1]
+  at::Tensor key_cols = at::arange(key_begin, key_end, long_opts).unsqueeze(0);          // [1, K]
+  at::Tensor causal = key_cols.le(query_cols);                                           // [S, K]
+  at::Tensor key_real = attention_mask.narrow(1, key_begin, key_end - key_begin).eq(1);  // [B, K]
+  at::Tensor blocked = causal.unsqueeze(0).logical_and(key_real.unsqueeze(1)).logical_not();
+  blocked = blocked.view({b, 1, 1, s, key_end - key_begin});  // broadcast over [B, kv, group, S, K]
+  // A finite fill (not -inf): a padding query row with every key blocked softmaxes to a uniform
+  // row instead of NaN, and its logits are ignored anyway.
+  const double blocked_score = std::numeric_limits<float>::lowest();
+
+  for (size_t layer = 0; layer < lm_.layers.size(); ++layer) {
+    const qwen2_vl::DecoderLayer& w = lm_.layers[layer];
+    at::Tensor h = detail::apply_rms_norm(x, w.input_layernorm, c.rms_norm_eps);
+    at::Tensor q = detail::apply_linear(h, w.q_proj).view({b, s, heads, head_dim}).transpose(1, 2);
+    at::Tensor k = detail::apply_linear(h, w.k_proj).view({b, s, kv_heads, head_dim}).transpose(1, 2);
+    at::Tensor v = detail::apply_linear(h, w.v_proj).view({b, s, kv_heads, head_dim}).transpose(1, 2);
+    q = detail::apply_rotary(q, cos, sin);
+    k = detail::apply_rotary(k, cos, sin);
+    if (context != nullptr) std::tie(k, v) = context->append_kv(static_cast<int64_t>(layer), k, v);
+
+    // GQA without copying K/V per query head: query head i uses KV head i / groups.
+    at::Tensor q5 = q.reshape({b, kv_heads, groups, s, head_dim});
+    at::Tensor scores = at::matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scale;  // [B, kv, g, S, K]
+    scores.masked_fill_(blocked, blocked_score);
+    at::Tensor probs = at::softmax(scores, -1);
+    at::Tensor attn = at::matmul(probs, v.unsqueeze(2));  // [B, kv, g, S, head_dim]
+    attn = attn.reshape({b, heads, s, head_dim}).transpose(1, 2).reshape({b, s, heads * head_dim});
+    x = x + detail::apply_linear(attn, w.o_proj);
+
+    h = detail::apply_rms_norm(x, w.post_attention_layernorm, c.rms_norm_eps);
+    at::Tensor gated = at::silu(detail::apply_linear(h, w.gate_proj)) * detail::apply_linear(h, w.up_proj);
+    x = x + detail::apply_linear(gated, w.down_proj);
+  }
+  x = detail::apply_rms_norm(x, lm_.norm, c.rms_norm_eps);
+  return at::linear(x, lm_.lm_head);  // [B, S, vocab], float32
+}
+
+}  // namespace vlmgen
