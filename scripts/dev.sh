@@ -21,7 +21,7 @@ jobs="${JOBS:-$(nproc)}"
 
 # libopenblas0-pthread: without it LibTorch's CPU matrix products run tens of times slower.
 packages=(cmake ninja-build g++ ccache pkg-config libtorch-dev libfmt-dev libgtest-dev libgmock-dev
-          libopenblas0-pthread nlohmann-json3-dev libstb-dev libcli11-dev)
+          libopenblas0-pthread nlohmann-json3-dev libstb-dev libcli11-dev libbenchmark-dev libgloo-dev)
 missing=()
 for p in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then

@@ -100,25 +100,33 @@ class Sampler {
   int64_t sample_row(const at::Tensor& row_logits, at::Generator& gen) const {
     at::Tensor scaled = row_logits / options_.temperature;
     const int64_t vocab = scaled.size(0);
-    at::Tensor candidates;  // token ids, most likely first
-    at::Tensor values;
+    at::Tensor probs;       // candidate probabilities, most likely first when filtered
+    at::Tensor candidates;  // their token ids (undefined: the whole vocabulary in order)
     if (options_.top_k > 0 && options_.top_k < vocab) {
+      at::Tensor values;
       std::tie(values, candidates) = at::topk(scaled, options_.top_k, 0, /*largest=*/true, /*sorted=*/true);
+      probs = at::softmax(values, 0);
     } else {
-      std::tie(values, candidates) = at::sort(scaled, 0, /*descending=*/true);
+      probs = at::softmax(scaled, 0);
     }
-    at::Tensor probs = at::softmax(values, 0);
     if (options_.top_p < 1.0) {
+      if (!candidates.defined()) {
+        // The nucleus almost always lies in the few most likely tokens: sort those only, and
+        // the whole vocabulary only when they do not reach top_p.
+        const int64_t head = std::min<int64_t>(vocab, 1024);
+        std::tie(probs, candidates) = at::topk(probs, head, 0, /*largest=*/true, /*sorted=*/true);
+        if (head < vocab && probs.sum().item<double>() < options_.top_p) {
+          std::tie(probs, candidates) = at::sort(at::softmax(scaled, 0), 0, /*descending=*/true);
+        }
+      }
       // Keep tokens while the mass before them is below top_p: the first token always stays.
       at::Tensor before = probs.cumsum(0) - probs;
-      at::Tensor keep = before < options_.top_p;
-      const int64_t kept = std::max<int64_t>(1, keep.sum().item<int64_t>());
+      const int64_t kept = std::max<int64_t>(1, (before < options_.top_p).sum().item<int64_t>());
       probs = probs.narrow(0, 0, kept);
       candidates = candidates.narrow(0, 0, kept);
-      probs = probs / probs.sum();
     }
     const int64_t pick = at::multinomial(probs, 1, /*replacement=*/false, gen).item<int64_t>();
-    return candidates[pick].item<int64_t>();
+    return candidates.defined() ? candidates[pick].item<int64_t>() : pick;
   }
 
   SamplingOptions options_;

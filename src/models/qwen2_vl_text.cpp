@@ -75,13 +75,16 @@ at::Tensor Qwen2Vl::run_language_model(at::Tensor x, const at::Tensor& position_
     k = detail::apply_rotary(k, cos, sin);
     if (context != nullptr) std::tie(k, v) = context->append_kv(static_cast<int64_t>(layer), k, v);
 
-    // GQA without copying K/V per query head: query head i uses KV head i / groups.
-    at::Tensor q5 = q.reshape({b, kv_heads, groups, s, head_dim});
-    at::Tensor scores = at::matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scale;  // [B, kv, g, S, K]
-    scores.masked_fill_(blocked, blocked_score);
+    // GQA without copying K/V per query head: query head i uses KV head i / groups, so the
+    // group's queries stack into one [g * S, head_dim] matrix per KV head and each product is
+    // a plain batched matmul over [B * kv] (K and V are read in place from the cache).
+    const int64_t keys = k.size(2);
+    at::Tensor q4 = q.reshape({b, kv_heads, groups * s, head_dim});
+    at::Tensor scores = at::matmul(q4, k.transpose(-1, -2)).mul_(scale);  // [B, kv, g * S, K]
+    scores.view({b, kv_heads, groups, s, keys}).masked_fill_(blocked, blocked_score);
     at::Tensor probs = at::softmax(scores, -1);
-    at::Tensor attn = at::matmul(probs, v.unsqueeze(2));  // [B, kv, g, S, head_dim]
-    attn = attn.reshape({b, heads, s, head_dim}).transpose(1, 2).reshape({b, s, heads * head_dim});
+    at::Tensor attn = at::matmul(probs, v);  // [B, kv, g * S, head_dim]
+    attn = attn.view({b, heads, s, head_dim}).transpose(1, 2).reshape({b, s, heads * head_dim});
     x = x + detail::apply_linear(attn, w.o_proj);
 
     h = detail::apply_rms_norm(x, w.post_attention_layernorm, c.rms_norm_eps);

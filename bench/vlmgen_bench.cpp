@@ -1,0 +1,384 @@
+// vlmgen-bench: speed figures of the generation loop and the reference model.
+//
+//   vlmgen-bench --report [--json out.json] [--quick] [--threads N]   one table of figures and ratios
+//   vlmgen-bench [--benchmark_filter=...]               Google Benchmark micro benchmarks
+//
+// The report measures, in one run: KV-cache and no-cache decode time per token at several
+// context lengths (a ~100M-parameter Qwen2-VL config), no-cache generation with an image
+// (pixels replayed vs the encoder cache vs a text-only prompt of the same length), the
+// generator's overhead over the model's own forward time, and the 100M config's decode speed
+// against the memory-bandwidth ceiling measured in the same run.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <benchmark/benchmark.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "vlmgen/build_info.h"
+#include "vlmgen/detail/torch_compat.h"
+#include "vlmgen/generator.h"
+#include "vlmgen/image_spans.h"
+#include "vlmgen/models/qwen2_vl.h"
+#include "vlmgen/replay_policy.h"
+#include "vlmgen/sampling.h"
+
+namespace vlmgen::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+/// Wraps a model and adds up the wall time of its forward calls.
+class TimedModel : public CausalVlm {
+ public:
+  explicit TimedModel(CausalVlm& inner) : inner_(inner) {}
+  const ModelTraits& traits() const override { return inner_.traits(); }
+  at::Device device() const override { return inner_.device(); }
+  std::vector<int64_t> placeholder_counts(const VisionInputs& v) const override { return inner_.placeholder_counts(v); }
+  RopePlan plan_positions(const at::Tensor& ids, const at::Tensor& mask, const VisionInputs& v) const override {
+    return inner_.plan_positions(ids, mask, v);
+  }
+  bool can_encode_images() const override { return inner_.can_encode_images(); }
+  at::Tensor encode_images(const VisionInputs& v) override {
+    auto t = Clock::now();
+    at::Tensor out = inner_.encode_images(v);
+    model_s_ += seconds_since(t);
+    return out;
+  }
+  at::Tensor forward(const ForwardArgs& args) override {
+    auto t = Clock::now();
+    at::Tensor out = inner_.forward(args);
+    model_s_ += seconds_since(t);
+    forward_s_.push_back(seconds_since(t));
+    return out;
+  }
+  double model_seconds() const { return model_s_; }
+  const std::vector<double>& forward_seconds() const { return forward_s_; }
+  void reset() {
+    model_s_ = 0;
+    forward_s_.clear();
+  }
+
+ private:
+  CausalVlm& inner_;
+  double model_s_ = 0;
+  std::vector<double> forward_s_;
+};
+
+/// About 110M parameters in the language model: hidden 768, 12 layers, 12 heads (4 KV heads),
+/// SwiGLU 2048, vocab 16384 untied; a 4-block vision tower.
+QwenVlConfig config_100m() {
+  QwenVlConfig c;
+  c.hidden_size = 768;
+  c.num_hidden_layers = 12;
+  c.num_attention_heads = 12;
+  c.num_key_value_heads = 4;
+  c.head_dim = 64;
+  c.intermediate_size = 2048;
+  c.mrope_section = {8, 12, 12};
+  c.vocab_size = 16384;
+  c.max_position_embeddings = 8192;
+  c.rope_theta = 10000.0;
+  c.image_token_id = 16000;
+  c.video_token_id = 16001;
+  c.vision_start_token_id = 16002;
+  c.vision_end_token_id = 16003;
+  c.vision.depth = 4;
+  c.vision.embed_dim = 384;
+  c.vision.num_heads = 6;
+  c.vision.mlp_ratio = 4;
+  c.vision.patch_size = 14;
+  c.vision.temporal_patch_size = 2;
+  c.vision.spatial_merge_size = 2;
+  c.vision.hidden_size = 768;
+  return c;
+}
+
+int64_t count_params(Qwen2Vl& m, bool language_only) {
+  int64_t n = 0;
+  for (auto& [name, t] : m.named_weights()) {
+    if (!language_only || name.rfind("visual.", 0) != 0) n += t->numel();
+  }
+  return n;
+}
+
+/// Bytes of weights one decode step reads: every LM matrix and norm, plus one embedding row.
+int64_t decode_weight_bytes(Qwen2Vl& m) {
+  int64_t bytes = 0;
+  for (auto& [name, t] : m.named_weights()) {
+    if (name.rfind("visual.", 0) == 0) continue;
+    if (name == "model.embed_tokens.weight") {
+      bytes += t->size(1) * static_cast<int64_t>(t->element_size());
+      continue;
+    }
+    bytes += t->numel() * static_cast<int64_t>(t->element_size());
+  }
+  if (m.tied_embeddings()) bytes += m.language_model().lm_head.nbytes();
+  return bytes;
+}
+
+/// Copy bandwidth in bytes/s (read + write) over a buffer far larger than the caches.
+double measure_copy_bandwidth() {
+  at::Tensor src = at::rand({64 * 1024 * 1024}), dst = at::empty_like(src);  // 256 MB each
+  dst.copy_(src);
+  double best = 1e30;
+  for (int i = 0; i < 5; ++i) {
+    auto t = Clock::now();
+    dst.copy_(src);
+    best = std::min(best, seconds_since(t));
+  }
+  return 2.0 * static_cast<double>(src.nbytes()) / best;
+}
+
+/// Plain text tokens: below every special id of the config.
+std::vector<int64_t> text_prompt(int64_t length, const QwenVlConfig& c, uint64_t seed) {
+  const int64_t limit = std::min({c.vocab_size, c.image_token_id, c.video_token_id, c.vision_start_token_id,
+                                  c.vision_end_token_id});
+  std::vector<int64_t> p(static_cast<size_t>(length));
+  uint64_t x = seed;
+  for (auto& t : p) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    t = static_cast<int64_t>((x >> 33) % static_cast<uint64_t>(limit));
+  }
+  return p;
+}
+
+struct DecodeFigures {
+  double ms_per_token = 0;  // mean forward time of the decode calls (prefill excluded)
+  double generate_s = 0;
+  double forward_s = 0;
+};
+
+/// Generates `new_tokens` after a text prompt of `context` tokens; times the decode calls.
+DecodeFigures decode(Qwen2Vl& model, int64_t context, int64_t new_tokens, bool kv) {
+  TimedModel timed(model);
+  Generator generator(timed);
+  auto prompt = text_prompt(context, model.config(), static_cast<uint64_t>(context));
+  auto config = GenerationConfig().max_new_tokens(new_tokens).enable_kv_cache(kv);
+  generator.generate({{prompt}}, GenerationConfig().max_new_tokens(2).enable_kv_cache(kv));  // warm-up
+  timed.reset();
+  auto t = Clock::now();
+  generator.generate({{prompt}}, config);
+  DecodeFigures f;
+  f.generate_s = seconds_since(t);
+  f.forward_s = timed.model_seconds();
+  const auto& calls = timed.forward_seconds();
+  double decode_s = 0;
+  for (size_t i = 1; i < calls.size(); ++i) decode_s += calls[i];
+  f.ms_per_token = calls.size() > 1 ? 1e3 * decode_s / static_cast<double>(calls.size() - 1) : 0;
+  return f;
+}
+
+int run_report(bool quick, const std::string& json_path, int threads) {
+  at::set_num_threads(threads);
+  nlohmann::json out;
+  out["build"] = build_info();
+  out["threads"] = at::get_num_threads();
+  fmt::print("vlmgen-bench report ({}; {} threads)\n", build_info(), at::get_num_threads());
+
+  auto t_build = Clock::now();
+  Qwen2Vl big(config_100m(), 1);
+  const int64_t lm_params = count_params(big, true);
+  fmt::print("100M config: {:.1f}M LM parameters, {:.1f}M in the vision tower (built in {:.1f} s)\n",
+             lm_params / 1e6, (count_params(big, false) - lm_params) / 1e6, seconds_since(t_build));
+  out["lm_parameters"] = lm_params;
+
+  // 1. Decode time per token against context length.
+  std::vector<int64_t> contexts = {128, 512, 2048};
+  std::map<std::string, double> ms;
+  fmt::print("\n{:<34}{:>12}{:>12}\n", "decode ms/token (100M config)", "KV cache", "no cache");
+  for (int64_t ctx : contexts) {
+    DecodeFigures kv = decode(big, ctx, 16, true);
+    double nocache = -1;
+    if (!(quick && ctx > 512)) nocache = decode(big, ctx, ctx >= 2048 ? 3 : 6, false).ms_per_token;
+    ms[fmt::format("kv_{}", ctx)] = kv.ms_per_token;
+    ms[fmt::format("nocache_{}", ctx)] = nocache;
+    fmt::print("{:<34}{:>12.2f}{:>12}\n", fmt::format("  context {}", ctx), kv.ms_per_token,
+               nocache < 0 ? std::string("skipped") : fmt::format("{:.1f}", nocache));
+  }
+  out["decode_ms_per_token"] = ms;
+  const double kv_ratio = ms["kv_2048"] / ms["kv_128"];
+  fmt::print("  KV decode 2048 / 128 = {:.2f}x (target <= 1.5x)\n", kv_ratio);
+  out["kv_decode_2048_over_128"] = kv_ratio;
+
+  // 2. No-cache generation with an image: pixels replayed, encoder cache, text only.
+  {
+    const QwenVlConfig& c = big.config();
+    const int64_t grid_h = 16, grid_w = 16;  // a 224 x 224 image: 256 patches, 64 LM tokens
+    const int64_t tokens = grid_h * grid_w / 4;
+    at::Tensor pixels = at::rand({grid_h * grid_w, 3 * 2 * 14 * 14});
+    auto vision = VisionInputs::patch_flattened(pixels, at::tensor(std::vector<int64_t>{1, grid_h, grid_w}, at::kLong).view({1, 3}));
+    std::vector<int64_t> prompt = text_prompt(16, c, 5);
+    prompt.push_back(c.vision_start_token_id);
+    prompt.insert(prompt.end(), static_cast<size_t>(tokens), c.image_token_id);
+    prompt.push_back(c.vision_end_token_id);
+    auto tail = text_prompt(46, c, 6);
+    prompt.insert(prompt.end(), tail.begin(), tail.end());
+    auto text = text_prompt(static_cast<int64_t>(prompt.size()), c, 7);
+    const int64_t steps = quick ? 4 : 8;
+    auto timed_run = [&](const std::vector<int64_t>& p, const VisionInputs& v, bool encoder_cache) {
+      Generator g(big);
+      auto cfg = GenerationConfig().max_new_tokens(steps).enable_kv_cache(false).encoder_cache(encoder_cache);
+      g.generate({{p}, v}, GenerationConfig(cfg).max_new_tokens(1));  // warm-up
+      double best = 1e30;
+      for (int i = 0; i < 2; ++i) {
+        auto t = Clock::now();
+        g.generate({{p}, v}, cfg);
+        best = std::min(best, seconds_since(t));
+      }
+      return best;
+    };
+    const double replay = timed_run(prompt, vision, false);
+    const double cached = timed_run(prompt, vision, true);
+    const double text_only = timed_run(text, {}, true);
+    fmt::print("\nno-cache generation, {} tokens after a {}-token prompt with a 224x224 image\n", steps, prompt.size());
+    fmt::print("  pixels replayed (vision tower every step) {:>8.3f} s  ({:.2f}x text-only)\n", replay, replay / text_only);
+    fmt::print("  encoder cache (tower once)                {:>8.3f} s  ({:.2f}x text-only, target <= 1.1x)\n", cached,
+               cached / text_only);
+    fmt::print("  text-only prompt of the same length       {:>8.3f} s\n", text_only);
+    out["nocache_image"] = {{"pixels_replayed_s", replay},
+                            {"encoder_cache_s", cached},
+                            {"text_only_s", text_only},
+                            {"encoder_cache_over_text", cached / text_only},
+                            {"replay_over_text", replay / text_only}};
+  }
+
+  // 3. Generator overhead: generate() wall time against the model's own forward time.
+  fmt::print("\ngenerator overhead (generate wall time vs summed forward time, KV cache)\n");
+  {
+    Qwen2Vl tiny(QwenVlConfig::tiny(), 1);
+    for (auto* m : {&tiny, &big}) {
+      const bool is_big = m == &big;
+      DecodeFigures f = decode(*m, 128, is_big ? 32 : 64, true);
+      const double overhead = (f.generate_s - f.forward_s) / f.forward_s;
+      fmt::print("  {:<12} generate {:>8.4f} s, forward {:>8.4f} s, overhead {:>6.2f}%{}\n",
+                 is_big ? "100M config" : "tiny config", f.generate_s, f.forward_s, 100 * overhead,
+                 is_big ? " (target <= 3%)" : "");
+      out[is_big ? "overhead_100m" : "overhead_tiny"] = overhead;
+    }
+  }
+
+  // 4. Decode against the memory-bandwidth ceiling.
+  {
+    const double bandwidth = measure_copy_bandwidth();
+    const int64_t bytes = decode_weight_bytes(big);
+    const double ceiling = bandwidth / static_cast<double>(bytes);
+    const double achieved = 1e3 / ms["kv_128"];
+    fmt::print("\nmemory bandwidth: copy {:.2f} GB/s; weights read per token {:.1f} MB; ceiling {:.1f} tokens/s\n",
+               bandwidth / 1e9, bytes / 1e6, ceiling);
+    fmt::print("  100M decode at context 128: {:.1f} tokens/s = {:.0f}% of the ceiling (target >= 60%)\n", achieved,
+               100 * achieved / ceiling);
+    out["bandwidth"] = {{"copy_bytes_per_s", bandwidth},
+                        {"weight_bytes_per_token", bytes},
+                        {"ceiling_tokens_per_s", ceiling},
+                        {"decode_tokens_per_s", achieved},
+                        {"fraction_of_ceiling", achieved / ceiling}};
+  }
+
+  if (!json_path.empty()) {
+    std::ofstream f(json_path);
+    f << out.dump(2) << "\n";
+    VLMGEN_CHECK(f.good(), "could not write {}", json_path);
+    fmt::print("\nwrote {}\n", json_path);
+  }
+  return 0;
+}
+
+// ---- micro benchmarks of the core's pure pieces ----
+
+std::vector<ImageSpan> many_spans(int64_t images) {
+  std::vector<ImageSpan> spans;
+  for (int64_t i = 0; i < images; ++i) spans.push_back({i, 0, 100 * i + 10, 100 * i + 74});
+  return spans;
+}
+
+void BM_ImagesForWindow(benchmark::State& state) {
+  auto spans = many_spans(state.range(0));
+  ReplayPolicy policy;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(policy.images_for_window({0, 100 * state.range(0)}, spans, 3));
+  }
+}
+BENCHMARK(BM_ImagesForWindow)->Arg(1)->Arg(16);
+
+void BM_FindImageSpans(benchmark::State& state) {
+  std::vector<int64_t> row(4096, 7);
+  std::fill(row.begin() + 100, row.begin() + 100 + 1024, 99);
+  for (auto _ : state) benchmark::DoNotOptimize(find_image_spans({row}, 99, {256, 256, 256, 256}));
+}
+BENCHMARK(BM_FindImageSpans);
+
+void BM_SelectImages(benchmark::State& state) {
+  auto v = VisionInputs::patch_flattened(at::rand({4 * 1024, 1176}),
+                                         at::tensor({1, 32, 32, 1, 32, 32, 1, 32, 32, 1, 32, 32}, at::kLong).view({4, 3}));
+  for (auto _ : state) benchmark::DoNotOptimize(v.select({1, 3}));
+}
+BENCHMARK(BM_SelectImages);
+
+void BM_SampleTopP(benchmark::State& state) {
+  SamplingOptions o;
+  o.temperature = 0.8;
+  o.top_p = 0.9;
+  o.seed = 1;
+  Sampler sampler(o, 1);
+  // Peaked like a trained LM's logits (arg 1 = 0: flat, the slow path that sorts everything).
+  at::Tensor logits = at::randn({1, state.range(0)}) * (state.range(1) ? 6.0 : 1.0);
+  for (auto _ : state) benchmark::DoNotOptimize(sampler.choose(logits, {true}));
+}
+BENCHMARK(BM_SampleTopP)->Args({32000, 1})->Args({152064, 1})->Args({152064, 0});
+
+void BM_Greedy(benchmark::State& state) {
+  Sampler sampler(SamplingOptions{}, 8);
+  at::Tensor logits = at::randn({8, state.range(0)});
+  std::vector<bool> active(8, true);
+  for (auto _ : state) benchmark::DoNotOptimize(sampler.choose(logits, active));
+}
+BENCHMARK(BM_Greedy)->Arg(152064);
+
+}  // namespace
+}  // namespace vlmgen::bench
+
+int main(int argc, char** argv) {
+  bool report = false, quick = false;
+  int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  std::string json;
+  std::vector<char*> rest = {argv[0]};
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--report") == 0) {
+      report = true;
+    } else if (std::strcmp(argv[i], "--quick") == 0) {
+      quick = true;
+    } else if (std::strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
+      threads = std::max(1, std::atoi(argv[++i]));
+    } else if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) {
+      json = argv[++i];
+    } else {
+      rest.push_back(argv[i]);
+    }
+  }
+  try {
+    if (report) return vlmgen::bench::run_report(quick, json, threads);
+  } catch (const vlmgen::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  int n = static_cast<int>(rest.size());
+  benchmark::Initialize(&n, rest.data());
+  if (benchmark::ReportUnrecognizedArguments(n, rest.data())) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
