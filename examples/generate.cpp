@@ -3,20 +3,30 @@
 //
 //   vlmgen-generate --checkpoint DIR --prompt "5 6 <image> 7" --image cat.png
 //                   [--max-new-tokens 16] [--no-kv-cache] [--replay span-aware|always|step-zero]
+//                   [--nproc N [--sequence-parallel]]
 //
 // Each "<image>" in the prompt becomes vision_start, the image's placeholder tokens and
 // vision_end, for the next --image file in order.
+//
+// Tensor parallelism: --nproc N starts N local ranks on 127.0.0.1 (this program again, with the
+// torchrun variables set); started by torchrun or another launcher that sets RANK, WORLD_SIZE,
+// MASTER_ADDR and MASTER_PORT, it joins that world instead. Either way every rank loads its
+// slices of the checkpoint and the whole world is one tensor-parallel group; rank 0 prints.
+
+#include <fmt/format.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
-#include <fmt/format.h>
-
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "vlmgen/distributed/launch.h"
 #include "vlmgen/error.h"
 #include "vlmgen/generator.h"
 #include "vlmgen/image/qwen_image_processor.h"
@@ -54,6 +64,12 @@ std::vector<int64_t> build_prompt(const std::string& text, const vlmgen::QwenVlC
   return ids;
 }
 
+std::string self_executable(const char* argv0) {
+  std::vector<char> path(4096);
+  const ssize_t n = ::readlink("/proc/self/exe", path.data(), path.size() - 1);
+  return n > 0 ? std::string(path.data(), static_cast<size_t>(n)) : std::string(argv0);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -75,10 +91,43 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--temperature", temperature, "0 = greedy")->capture_default_str();
   app.add_option("--seed", seed, "sampling seed")->capture_default_str();
+  int nproc = 1;
+  bool sequence_parallel = false;
+  int64_t timeout_s = 60;
+  app.add_option("--nproc", nproc, "tensor-parallel ranks to start on this machine (this program, N times)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_flag("--sequence-parallel", sequence_parallel, "split the prefill's sequence across the ranks");
+  app.add_option("--timeout", timeout_s, "seconds a rank waits for its peers before giving up")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
+  // Started by hand with --nproc N: become the launcher of N ranks running these same arguments.
+  const bool in_a_launch = std::getenv("RANK") != nullptr || std::getenv("WORLD_SIZE") != nullptr;
+  if (nproc > 1 && !in_a_launch) {
+    std::vector<std::string> args = {self_executable(argv[0])};
+    args.insert(args.end(), argv + 1, argv + argc);
+    vlmgen::LaunchOptions launch;
+    launch.timeout = std::chrono::hours(24);
+    try {
+      return vlmgen::launch_local_ranks(nproc, args, launch);
+    } catch (const vlmgen::Error& e) {
+      fmt::print(stderr, "error: {}\n", e.what());
+      return 1;
+    }
+  }
+
+  int64_t rank = 0;
   try {
-    auto model = vlmgen::Qwen2Vl::from_checkpoint(checkpoint);
+    vlmgen::ParallelContext parallel = vlmgen::init_parallel_from_env(
+        /*tp_size=*/0, vlmgen::DistributedOptions().timeout(std::chrono::seconds(timeout_s)));
+    rank = parallel.rank();
+    VLMGEN_CHECK(nproc == 1 || nproc == parallel.world_size(), "--nproc {} but the launcher started WORLD_SIZE={}",
+                 nproc, parallel.world_size());
+    parallel.sequence_parallel(sequence_parallel);
+    const bool lead = rank == 0;
+    auto model = vlmgen::Qwen2Vl::from_checkpoint(checkpoint, parallel);
     const auto& config = model->config();
     std::vector<vlmgen::Image> images;
     for (const auto& path : image_paths) images.push_back(vlmgen::load_image(path));
@@ -101,22 +150,34 @@ int main(int argc, char** argv) {
                           .replay_mode(modes.at(replay))
                           .temperature(temperature)
                           .seed(seed);
-    fmt::print("prompt: {} tokens, {} images, KV cache {}, replay {}\n", prompt.size(), images.size(),
-               no_kv_cache ? "off" : "on", replay);
-    fmt::print("tokens:");
-    std::fflush(stdout);
-    vlmgen::GenerateRequest request({prompt}, vision);
-    request.on_token = [](const vlmgen::TokenEvent& e) {
-      fmt::print(" {}", e.token);
+    if (lead) {
+      if (parallel.tp_size() > 1) {
+        fmt::print("tensor parallel: {} ranks, vision tower {}, sequence parallel {}\n", parallel.tp_size(),
+                   model->vision_tower_sharded() ? "sharded" : "replicated", sequence_parallel ? "on" : "off");
+      }
+      fmt::print("prompt: {} tokens, {} images, KV cache {}, replay {}\n", prompt.size(), images.size(),
+                 no_kv_cache ? "off" : "on", replay);
+      fmt::print("tokens:");
       std::fflush(stdout);
+    }
+    vlmgen::GenerateRequest request({prompt}, vision);
+    // Every rank chooses the same tokens; only rank 0 prints them. All return true, so the
+    // ranks stay in step.
+    request.on_token = [lead](const vlmgen::TokenEvent& e) {
+      if (lead) {
+        fmt::print(" {}", e.token);
+        std::fflush(stdout);
+      }
       return true;
     };
-    auto result = vlmgen::Generator(*model).generate(request, gen_config);
-    fmt::print("\nfinish: {}; time to first token {:.3f} s; decode {:.1f} tokens/s; {} forward calls\n",
-               vlmgen::to_string(result.sequences[0].finish_reason), result.stats.time_to_first_token_s,
-               result.stats.decode_tokens_per_s, result.stats.forward_calls);
+    auto result = vlmgen::Generator(*model, parallel).generate(request, gen_config);
+    if (lead) {
+      fmt::print("\nfinish: {}; time to first token {:.3f} s; decode {:.1f} tokens/s; {} forward calls\n",
+                 vlmgen::to_string(result.sequences[0].finish_reason), result.stats.time_to_first_token_s,
+                 result.stats.decode_tokens_per_s, result.stats.forward_calls);
+    }
   } catch (const vlmgen::Error& e) {
-    fmt::print(stderr, "\nerror: {}\n", e.what());
+    fmt::print(stderr, "\nerror (rank {}): {}\n", rank, e.what());
     return 1;
   }
   return 0;

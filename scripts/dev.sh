@@ -2,7 +2,7 @@
 # One entry point for a fresh Debian 12 machine: installs what is missing (apt-get), builds,
 # then runs the main example or the whole test suite.
 #
-#   bash scripts/dev.sh demo     # install + build + run the main example
+#   bash scripts/dev.sh demo [IMAGE...]   # install + build + run the main example (vlmgen-demo)
 #   bash scripts/dev.sh test     # install + build + run every test (ctest)
 #
 # Environment: BUILD_DIR (default: build), BUILD_TYPE (default: Release), JOBS (default: nproc).
@@ -46,7 +46,10 @@ cmake --build "$build_dir" -j "$jobs"
 echo "[dev.sh] built in $(( $(date +%s) - start )) s"
 
 if [ "$what" = demo ]; then
-  exec "$build_dir/examples/vlmgen-replay-demo"
+  # The main job: the shipped grounded captioner, with and without a KV cache and under the
+  # legacy step-0 gate. Extra arguments (PNG/JPEG files) are captioned too.
+  shift
+  exec "$build_dir/tools/vlmgen-demo" "$@"
 fi
 cd "$build_dir"
 exec ctest --output-on-failure -j "$jobs"

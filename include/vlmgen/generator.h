@@ -52,15 +52,21 @@ struct TokenEvent {
 /// with kCancelled; its other rows go on). Exceptions propagate out of generate().
 using TokenCallback = std::function<bool(const TokenEvent&)>;
 
-#define VLMGEN_OPTION(Type, name, ...)                    \
- public:                                                  \
-  auto name(Type value)->decltype(*this) {                \
-    name##_ = std::move(value);                           \
-    return *this;                                         \
-  }                                                       \
-  const Type& name() const { return name##_; }            \
-                                                          \
- private:                                                 \
+// Setters chain on lvalues (returning a reference) and on temporaries (returning the value, so
+// `const auto& c = GenerationConfig().seed(1);` does not dangle).
+#define VLMGEN_OPTION(Type, name, ...)                                      \
+ public:                                                                    \
+  auto name(Type value)&->decltype(*this) {                                 \
+    name##_ = std::move(value);                                             \
+    return *this;                                                           \
+  }                                                                         \
+  auto name(Type value)&&->std::remove_reference_t<decltype(*this)> {       \
+    name##_ = std::move(value);                                             \
+    return std::move(*this);                                                \
+  }                                                                         \
+  const Type& name() const { return name##_; }                              \
+                                                                            \
+ private:                                                                   \
   Type name##_ = __VA_ARGS__;
 
 /// Options of one generate call, with chaining setters. Checked by generate(), which throws
@@ -175,6 +181,13 @@ struct GenerationResult {
 ///   vlmgen::Generator gen(model);
 ///   auto out = gen.generate({{prompt}, vision}, vlmgen::GenerationConfig().max_new_tokens(32));
 ///   for (int64_t t : out.sequences[0].tokens) ...
+///
+/// Tensor parallelism: every rank of the group runs its own Generator over its shard of the
+/// model, built with the model's ParallelContext, and calls generate with the same request and
+/// config. All ranks choose the same tokens at every step. The streaming callback and the
+/// cancel flag must decide the same on every rank (for example, only rank 0 prints but all
+/// return true): a rank that stops early leaves the others waiting in a collective until the
+/// communicator's timeout raises vlmgen::Error.
 class Generator {
  public:
   explicit Generator(CausalVlm& model, ParallelContext parallel = ParallelContext::single())
@@ -183,9 +196,14 @@ class Generator {
   CausalVlm& model() const { return model_; }
   const ParallelContext& parallel() const { return parallel_; }
 
+  /// Runs one request. Throws vlmgen::Error for bad input (before any forward call) and passes
+  /// on what the model or the callback throws; either way a caller's context is left exactly
+  /// as it was before the call.
   GenerationResult generate(const GenerateRequest& request, const GenerationConfig& config = GenerationConfig());
 
  private:
+  GenerationResult generate_unguarded(const GenerateRequest& request, const GenerationConfig& config);
+
   CausalVlm& model_;
   ParallelContext parallel_;
   bool fallback_logged_ = false;
@@ -217,11 +235,17 @@ inline void validate_request(const GenerateRequest& request, const GenerationCon
                  traits.vocab_size);
   };
   check_id(config.pad_token_id(), "pad_token_id");
+  VLMGEN_CHECK(config.pad_token_id() != traits.image_token_id.value_or(-1) &&
+                   config.pad_token_id() != traits.video_token_id.value_or(-1),
+               "pad_token_id {} is the model's image/video placeholder token; padding must be a plain token",
+               config.pad_token_id());
   for (int64_t id : config.end_token_ids()) check_id(id, "end token id");
   for (int64_t id : config.stop_token_ids()) check_id(id, "stop token id");
   for (size_t r = 0; r < request.prompts.size(); ++r) {
     const auto& p = request.prompts[r];
     VLMGEN_CHECK(!p.empty(), "prompt {} is empty: expected at least one token", r);
+    VLMGEN_CHECK(config.max_new_tokens() <= (int64_t{1} << 40) - static_cast<int64_t>(p.size()),
+                 "max_new_tokens {} is beyond any sequence length", config.max_new_tokens());
     for (size_t i = 0; i < p.size(); ++i) {
       VLMGEN_CHECK(p[i] >= 0 && p[i] < traits.vocab_size,
                    "prompt {} token {} is {}, outside the vocabulary [0, {})", r, i, p[i], traits.vocab_size);
@@ -244,6 +268,18 @@ inline void validate_request(const GenerateRequest& request, const GenerationCon
 }  // namespace detail
 
 inline GenerationResult Generator::generate(const GenerateRequest& request, const GenerationConfig& config) {
+  InferenceContext* context = request.context;
+  const int64_t entry_length = context != nullptr ? context->length() : 0;
+  try {
+    return generate_unguarded(request, config);
+  } catch (...) {
+    // Roll back what this call committed, so a retry sees the context as it was.
+    if (context != nullptr && context->length() > entry_length) context->truncate(entry_length);
+    throw;
+  }
+}
+
+inline GenerationResult Generator::generate_unguarded(const GenerateRequest& request, const GenerationConfig& config) {
   const auto t_start = detail::Clock::now();
   const ModelTraits& traits = model_.traits();
   detail::validate_request(request, config, traits);
@@ -259,7 +295,11 @@ inline GenerationResult Generator::generate(const GenerateRequest& request, cons
   std::vector<ImageSpan> spans;
   std::vector<int64_t> counts;
   if (traits.image_token_id) {
-    if (!vision.empty()) counts = model_.placeholder_counts(vision);
+    if (!vision.empty()) {
+      counts = model_.placeholder_counts(vision);
+      VLMGEN_CHECK(static_cast<int64_t>(counts.size()) == vision.num_images(),
+                   "the model's placeholder_counts gave {} counts for {} images", counts.size(), vision.num_images());
+    }
     spans = find_image_spans(request.prompts, *traits.image_token_id, counts, pads);
   }
 
@@ -280,6 +320,12 @@ inline GenerationResult Generator::generate(const GenerateRequest& request, cons
     log(LogLevel::kWarning, "KV cache requested but not used: {}", kv.reason);
     fallback_logged_ = true;
   }
+  if (request.context != nullptr && !kv.use_kv_cache) {
+    log(LogLevel::kWarning, "the request's context is neither read nor extended: {}", kv.reason);
+  }
+  VLMGEN_CHECK(!(kv.use_kv_cache && config.replay_mode() == ReplayMode::kAlways && !spans.empty()),
+               "replay mode 'always' sends every image to every call, which a KV-cache decode step (no placeholders "
+               "in its window) cannot take; use kSpanAware, or enable_kv_cache(false)");
 
   // Left-padded tokens and mask of every column, prompt then generated. Host masters.
   at::Tensor tokens = at::full({batch, total}, config.pad_token_id(), at::kLong);  // [B, total]
@@ -294,6 +340,9 @@ inline GenerationResult Generator::generate(const GenerateRequest& request, cons
 
   std::unique_ptr<InferenceContext> own_context;
   InferenceContext* context = nullptr;
+  // Fingerprints of the request's images, to record in (and check against) a caller's context.
+  const std::vector<uint64_t> fingerprints =
+      request.context != nullptr && kv.use_kv_cache ? vision.fingerprints() : std::vector<uint64_t>{};
   if (kv.use_kv_cache) {
     if (request.context != nullptr) {
       context = request.context;
@@ -309,6 +358,9 @@ inline GenerationResult Generator::generate(const GenerateRequest& request, cons
                    "the context was made for layers={} kv_heads={} head_dim={} but the model has {} / {} / {}",
                    have.num_layers, have.num_kv_heads, have.head_dim, want.num_layers, want.num_kv_heads,
                    want.head_dim);
+      VLMGEN_CHECK(have.dtype == want.dtype && context->device() == model_.device(),
+                   "the context stores {} on {} but the model needs {} on {}", c10::toString(have.dtype),
+                   context->device().str(), c10::toString(want.dtype), model_.device().str());
       const int64_t cached = context->length();
       if (cached > 0) {
         VLMGEN_CHECK(cached < prompt_len,
@@ -319,11 +371,33 @@ inline GenerationResult Generator::generate(const GenerateRequest& request, cons
                              (context->attention_mask() != mask.narrow(1, 0, cached));
         if (differs.any().item<bool>()) {
           at::Tensor where = differs.nonzero()[0];
-          VLMGEN_FAIL("the context's cached columns differ from the prompt at row {} column {} (cached token {}, "
-                      "prompt token {}); a continuation must repeat the cached prefix exactly",
-                      where[0].item<int64_t>(), where[1].item<int64_t>(),
-                      context->tokens()[where[0]][where[1]].item<int64_t>(),
-                      tokens[where[0]][where[1]].item<int64_t>());
+          const int64_t r = where[0].item<int64_t>(), c = where[1].item<int64_t>();
+          VLMGEN_FAIL("the context's cached columns differ from the prompt at row {} column {} (cached token {} mask "
+                      "{}, prompt token {} mask {}); a continuation must repeat the cached prefix exactly, with the "
+                      "same left padding",
+                      r, c, context->tokens()[r][c].item<int64_t>(), context->attention_mask()[r][c].item<int64_t>(),
+                      tokens[r][c].item<int64_t>(), mask[r][c].item<int64_t>());
+        }
+        // Same tokens are not enough: the cached images must be the request's images.
+        for (const CachedImage& held : context->cached_images()) {
+          auto it = std::find_if(spans.begin(), spans.end(), [&](const ImageSpan& s) {
+            return s.row == held.row && s.begin == held.begin && s.end == held.end;
+          });
+          VLMGEN_CHECK(it != spans.end(), "the context holds an image at row {} columns [{}, {}) but the request has none "
+                       "there", held.row, held.begin, held.end);
+          VLMGEN_CHECK(fingerprints.at(static_cast<size_t>(it->image)) == held.fingerprint,
+                       "the request's image {} (row {} columns [{}, {})) is not the picture cached there; a "
+                       "continuation must bring the same images, or truncate the context before them",
+                       it->image, it->row, it->begin, it->end);
+        }
+        for (const ImageSpan& s : spans) {
+          if (s.end > cached) continue;
+          const auto& held = context->cached_images();
+          VLMGEN_CHECK(std::any_of(held.begin(), held.end(),
+                                   [&](const CachedImage& h) { return h.row == s.row && h.begin == s.begin; }),
+                       "the request's image {} (row {} columns [{}, {})) lies in the context's cached columns, but "
+                       "the context holds no image there (those placeholders were cached without pixels)",
+                       s.image, s.row, s.begin, s.end);
         }
       }
     } else {
@@ -352,20 +426,29 @@ inline GenerationResult Generator::generate(const GenerateRequest& request, cons
     if (traits.video_token_id) sampling.suppressed_tokens.push_back(*traits.video_token_id);
   }
   Sampler sampler(std::move(sampling), batch);
+  // Vocab-parallel logits: each rank holds a block of the vocabulary; tokens are chosen across
+  // the tensor-parallel group (see Sampler::choose_vocab_parallel).
+  const bool vocab_parallel = traits.vocab_parallel_logits && parallel_.tp_size() > 1;
   GenerationResult result;
   result.sequences.resize(static_cast<size_t>(batch));
   result.stats.used_kv_cache = kv.use_kv_cache;
   result.stats.prompt_columns = prompt_len;
 
   // One forward call over columns [start, end); returns the last column's logits [B, vocab].
+  // Device copies of tokens, mask and positions, kept in step with the host masters one column
+  // at a time, so no step copies the whole prefix (aliases on CPU).
+  const bool on_host = device.is_cpu();
+  at::Tensor tokens_dev = on_host ? tokens : tokens.to(device);        // [B, total]
+  at::Tensor mask_dev = on_host ? mask : mask.to(device);              // [B, total]
+  const at::Tensor positions_dev = on_host ? positions : positions.to(device);
   auto run_window = [&](int64_t start, int64_t end, int64_t step) {
     std::vector<int64_t> images = policy.images_for_window({start, end}, spans, step);
     ForwardArgs args;
     at::Tensor window_ids = tokens.narrow(1, start, end - start);
     at::Tensor window_mask = mask.narrow(1, start, end - start);
-    args.input_ids = window_ids.to(device);
-    args.position_ids = positions.narrow(-1, start, end - start).to(device);
-    args.attention_mask = mask.narrow(1, 0, end).to(device);
+    args.input_ids = tokens_dev.narrow(1, start, end - start);
+    args.position_ids = positions_dev.narrow(-1, start, end - start);
+    args.attention_mask = mask_dev.narrow(1, 0, end);
     args.context = context;
     args.window_start = start;
     args.step = step;
@@ -405,13 +488,35 @@ inline GenerationResult Generator::generate(const GenerateRequest& request, cons
       args.vision.layout = vision.layout;
     }
     at::Tensor logits = model_.forward(args);
-    VLMGEN_CHECK(logits.defined() && logits.dim() == 3 && logits.size(0) == batch && logits.size(1) == end - start &&
-                     logits.size(2) >= traits.vocab_size,
-                 "the model returned logits {} for a window of [{}, {}, >= {}]", detail::shape_str(logits), batch,
-                 end - start, traits.vocab_size);
-    if (context != nullptr) context->commit(window_ids, window_mask);
+    if (vocab_parallel) {
+      VLMGEN_CHECK(logits.defined() && logits.dim() == 3 && logits.size(0) == batch && logits.size(1) == end - start &&
+                       logits.size(2) * parallel_.tp_size() >= traits.vocab_size,
+                   "the model returned vocab-parallel logits {} for a window of [{}, {}, >= {} / {}]: tensor-parallel "
+                   "size {} times the block of {} ids must cover the vocabulary of {}",
+                   detail::shape_str(logits), batch, end - start, traits.vocab_size, parallel_.tp_size(),
+                   parallel_.tp_size(), logits.dim() == 3 ? logits.size(2) : 0, traits.vocab_size);
+    } else {
+      VLMGEN_CHECK(logits.defined() && logits.dim() == 3 && logits.size(0) == batch && logits.size(1) == end - start &&
+                       logits.size(2) >= traits.vocab_size,
+                   "the model returned logits {} for a window of [{}, {}, >= {}]{}", detail::shape_str(logits), batch,
+                   end - start, traits.vocab_size,
+                   traits.vocab_parallel_logits
+                       ? " (the model's logits are vocab-parallel: give the Generator the model's ParallelContext)"
+                       : "");
+    }
+    if (context != nullptr) {
+      context->commit(window_ids, window_mask);
+      if (!fingerprints.empty()) {
+        for (const ImageSpan& s : spans) {
+          if (s.end > start && s.end <= end) {
+            context->record_image({s.row, s.begin, s.end, fingerprints[static_cast<size_t>(s.image)]});
+          }
+        }
+      }
+    }
     ++result.stats.forward_calls;
-    return logits.select(1, end - start - 1).narrow(-1, 0, traits.vocab_size);
+    at::Tensor last_column = logits.select(1, end - start - 1);
+    return vocab_parallel ? last_column : last_column.narrow(-1, 0, traits.vocab_size);
   };
 
   std::vector<bool> active(static_cast<size_t>(batch), true);
@@ -442,18 +547,28 @@ inline GenerationResult Generator::generate(const GenerateRequest& request, cons
     const int64_t end = prompt_len + step;  // columns holding tokens so far
     at::Tensor last;
     if (step == 0 && context != nullptr && config.prefill_chunk_size() > 0) {
-      int64_t start = context->length();
-      while (start < end) {
+      const int64_t first = context->length();
+      int64_t start = first;
+      while (start < end && !(start > first && cancelled())) {
         const int64_t chunk_end =
             policy.chunk_end(start, std::min(end, start + config.prefill_chunk_size()), spans);
         last = run_window(start, chunk_end, 0);
         start = chunk_end;
       }
+      if (start < end) {  // cancelled between chunks
+        cancel_all();
+        break;
+      }
     } else {
       last = run_window(context != nullptr ? context->length() : 0, end, step);
     }
 
-    std::vector<int64_t> chosen = sampler.choose(last, active, config.return_logprobs() ? &logprobs : nullptr);
+    std::vector<float>* want_logprobs = config.return_logprobs() ? &logprobs : nullptr;
+    std::vector<int64_t> chosen =
+        vocab_parallel ? sampler.choose_vocab_parallel(
+                             last, {parallel_.tp_rank() * last.size(1), traits.vocab_size, parallel_.tp_group().get()},
+                             active, want_logprobs)
+                       : sampler.choose(last, active, want_logprobs);
     if (!t_first) t_first = detail::Clock::now();
     for (int64_t b = 0; b < batch; ++b) {
       if (!active[b]) continue;
@@ -476,8 +591,16 @@ inline GenerationResult Generator::generate(const GenerateRequest& request, cons
           seq.finish_reason = FinishReason::kCancelled;
         }
       }
-      if (seq.finish_reason != FinishReason::kNotFinished) active[b] = false;
+      if (seq.finish_reason != FinishReason::kNotFinished) {
+        active[b] = false;
+        // The filler fed after a row's last token is padding: mask it.
+        if (end + 1 < total) {
+          mask[b].narrow(0, end + 1, total - end - 1).zero_();
+          if (!on_host) mask_dev[b].narrow(0, end + 1, total - end - 1).zero_();
+        }
+      }
     }
+    if (!on_host) tokens_dev.select(1, end).copy_(tokens.select(1, end));
   }
 
   const auto t_end = detail::Clock::now();

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -25,6 +26,15 @@ struct KvCacheSpec {
   }
 };
 
+/// An image whose placeholders lie in a context's committed columns, with a fingerprint of its
+/// pixels (VisionInputs::fingerprints), so a continuation can be checked to bring the same image.
+struct CachedImage {
+  int64_t row = 0;
+  int64_t begin = 0;  ///< first placeholder column
+  int64_t end = 0;    ///< one past the last
+  uint64_t fingerprint = 0;
+};
+
 /// A static KV cache: storage for `capacity` token columns of `batch` rows, allocated once.
 /// `length()` columns are filled; a forward call with a context writes its window at
 /// [length, length + S) in every layer and the generator commits the window afterwards, so a
@@ -45,8 +55,9 @@ class InferenceContext {
     VLMGEN_CHECK(capacity >= 1, "InferenceContext capacity must be >= 1, got {}", capacity);
     auto opts = at::TensorOptions().dtype(spec.dtype).device(device);
     for (int64_t l = 0; l < spec.num_layers; ++l) {
-      keys_.push_back(at::zeros({batch, spec.num_kv_heads, capacity, spec.head_dim}, opts));
-      values_.push_back(at::zeros({batch, spec.num_kv_heads, capacity, spec.head_dim}, opts));
+      // Never read beyond length(), so the storage needs no initialisation.
+      keys_.push_back(at::empty({batch, spec.num_kv_heads, capacity, spec.head_dim}, opts));
+      values_.push_back(at::empty({batch, spec.num_kv_heads, capacity, spec.head_dim}, opts));
     }
     tokens_ = at::zeros({batch, capacity}, at::kLong);
     mask_ = at::zeros({batch, capacity}, at::kLong);
@@ -112,12 +123,26 @@ class InferenceContext {
   /// Attention mask of the committed columns, [batch, length], int64 (1 real, 0 padding), CPU.
   at::Tensor attention_mask() const { return mask_.narrow(1, 0, length_); }
 
-  /// Forgets every column from `length` on (keeps a shared prefix, drops the rest).
+  /// Generator side: an image whose placeholders are now in the committed columns.
+  void record_image(const CachedImage& image) {
+    VLMGEN_CHECK(image.row >= 0 && image.row < batch_ && image.begin >= 0 && image.begin < image.end &&
+                     image.end <= length_,
+                 "cached image at row {} columns [{}, {}) is outside the committed [{}, {}) x [0, {})", image.row,
+                 image.begin, image.end, batch_, length_);
+    images_.push_back(image);
+  }
+  /// Images recorded in the committed columns, in the order they were committed.
+  const std::vector<CachedImage>& cached_images() const { return images_; }
+
+  /// Forgets every column from `length` on (keeps a shared prefix, drops the rest), and the
+  /// images that reach past it.
   void truncate(int64_t length) {
     VLMGEN_CHECK(length >= 0 && length <= length_, "cannot truncate a context of {} columns to {}", length_, length);
     length_ = length;
+    images_.erase(std::remove_if(images_.begin(), images_.end(), [&](const CachedImage& i) { return i.end > length; }),
+                  images_.end());
   }
-  void reset() { length_ = 0; }
+  void reset() { truncate(0); }
 
  private:
   KvCacheSpec spec_;
@@ -128,6 +153,7 @@ class InferenceContext {
   std::vector<at::Tensor> values_;  // per layer [batch, kv_heads, capacity, head_dim]
   at::Tensor tokens_;               // [batch, capacity], int64, CPU
   at::Tensor mask_;                 // [batch, capacity], int64, CPU
+  std::vector<CachedImage> images_;
 };
 
 }  // namespace vlmgen

@@ -50,12 +50,18 @@ inline void set_log_level(LogLevel level) {
   state.min_level = level;
 }
 
+/// Sends `message` to the sink. The sink runs outside vlmgen's lock (so it may log itself) and
+/// may be called from several threads at once.
 inline void log_message(LogLevel level, const std::string& message) {
   auto& state = detail::log_state();
-  std::lock_guard<std::mutex> lock(state.mutex);
-  if (level < state.min_level) return;
-  if (state.sink) {
-    state.sink(level, message);
+  LogSink sink;
+  {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    if (level < state.min_level) return;
+    sink = state.sink;
+  }
+  if (sink) {
+    sink(level, message);
   } else {
     fmt::print(stderr, "[vlmgen] {}: {}\n", detail::level_name(level), message);
   }

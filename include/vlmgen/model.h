@@ -36,6 +36,12 @@ struct ModelTraits {
   /// The model can take part of an image's placeholder span in one call (the generator then
   /// lets a window cut a span).
   bool accepts_partial_image_span = false;
+  /// forward returns this tensor-parallel rank's block of the vocabulary only (Megatron's
+  /// vocab-parallel output layer): logits [B, S, W] hold ids [tp_rank * W, (tp_rank + 1) * W),
+  /// with W * tp_size >= vocab_size. The Generator then chooses tokens through the
+  /// ParallelContext's tp_group (local argmax + all-gathered (value, id) pairs for greedy, the
+  /// last position gathered for sampling and logprobs), so pass it the model's ParallelContext.
+  bool vocab_parallel_logits = false;
   /// Shape of the KV cache the generator allocates for this model.
   KvCacheSpec kv_cache;
 };
@@ -74,7 +80,8 @@ class CausalVlm {
 
   virtual const ModelTraits& traits() const = 0;
 
-  /// Logits [B, S, V] (V >= traits().vocab_size), floating point, for the window in `args`.
+  /// Logits [B, S, V] (V >= traits().vocab_size), floating point, for the window in `args`
+  /// ([B, S, W], this rank's block of the vocabulary, when traits().vocab_parallel_logits).
   /// With a context the model appends the window's K/V to it (InferenceContext::append_kv)
   /// but does not commit: the generator does.
   virtual at::Tensor forward(const ForwardArgs& args) = 0;

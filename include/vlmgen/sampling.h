@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -9,6 +10,7 @@
 
 #include "vlmgen/detail/tensor_utils.h"
 #include "vlmgen/detail/torch_compat.h"
+#include "vlmgen/distributed/tensor_parallel.h"
 #include "vlmgen/error.h"
 
 namespace vlmgen {
@@ -32,12 +34,23 @@ struct SamplingOptions {
   bool greedy() const { return temperature <= 0.0; }
 
   void validate(int64_t batch) const {
-    VLMGEN_CHECK(std::isfinite(temperature) && temperature >= 0.0, "temperature must be >= 0, got {}", temperature);
+    VLMGEN_CHECK(std::isfinite(temperature) && temperature >= 0.0,
+                 "temperature must be a finite number >= 0 (0 = greedy), got {}", temperature);
     VLMGEN_CHECK(top_k >= 0, "top_k must be >= 0 (0 = off), got {}", top_k);
     VLMGEN_CHECK(top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], got {}", top_p);
     VLMGEN_CHECK(row_seeds.empty() || static_cast<int64_t>(row_seeds.size()) == batch,
                  "row_seeds has {} entries for a batch of {} rows", row_seeds.size(), batch);
   }
+};
+
+/// Where one tensor-parallel rank's vocab-parallel logits sit in the vocabulary.
+struct VocabShard {
+  /// First global id of this rank's block (tp_rank * block width).
+  int64_t start = 0;
+  /// Real ids of the whole vocabulary; columns from here on are padding and never chosen.
+  int64_t vocab_size = 0;
+  /// The tensor-parallel group whose ranks hold the other blocks (null: this block is all).
+  Communicator* group = nullptr;
 };
 
 /// Chooses tokens for a batch, one random stream per row. Logits are read on the host in
@@ -96,9 +109,54 @@ class Sampler {
     return tokens;
   }
 
+  /// choose() over vocab-parallel logits: `local_logits` [B, W] are this rank's block
+  /// [shard.start, shard.start + W) of the vocabulary. Greedy without logprobs takes each rank's
+  /// local argmax and all-gathers (value, id) pairs, never the vocabulary; sampling and logprobs
+  /// gather the full rows of this one position. Every rank of the group must call it with the
+  /// same `active` and options; all get the same tokens (the gathered rows are bitwise equal,
+  /// and so are the seeds). Suppressed ids are masked on the rank that holds them.
+  std::vector<int64_t> choose_vocab_parallel(const at::Tensor& local_logits, const VocabShard& shard,
+                                             const std::vector<bool>& active, std::vector<float>* logprobs = nullptr) {
+    VLMGEN_CHECK(local_logits.dim() == 2 && local_logits.size(0) == static_cast<int64_t>(active.size()),
+                 "sampler expects vocab-parallel logits [{}, V/tp], got {}", active.size(),
+                 detail::shape_str(local_logits));
+    const int64_t width = local_logits.size(1);
+    const int64_t ranks = detail::group_size(shard.group);
+    VLMGEN_CHECK(shard.start >= 0 && shard.start % std::max<int64_t>(width, 1) == 0 && shard.start < width * ranks,
+                 "vocab shard start {} is not a block boundary of {} ranks holding {} ids each", shard.start, ranks,
+                 width);
+    VLMGEN_CHECK(shard.vocab_size > 0 && width * ranks >= shard.vocab_size,
+                 "{} ranks holding {} logits each cover {} ids, fewer than the vocabulary of {}", ranks, width,
+                 width * ranks, shard.vocab_size);
+    if (ranks == 1) return choose(local_logits.narrow(1, 0, shard.vocab_size), active, logprobs);
+    if (!options_.greedy() || logprobs != nullptr) {
+      at::Tensor full = gather_last_position_logits(local_logits, shard.group).narrow(1, 0, shard.vocab_size);
+      return choose(full, active, logprobs);
+    }
+    at::Tensor allowed = local_logits;
+    const int64_t padding_from = std::clamp<int64_t>(shard.vocab_size - shard.start, 0, width);
+    bool masked = padding_from < width;
+    for (int64_t id : options_.suppressed_tokens) masked = masked || (id >= shard.start && id < shard.start + width);
+    if (masked) {
+      allowed = local_logits.clone();
+      const float neg_inf = -std::numeric_limits<float>::infinity();
+      if (padding_from < width) allowed.narrow(1, padding_from, width - padding_from).fill_(neg_inf);
+      for (int64_t id : options_.suppressed_tokens) {
+        if (id >= shard.start && id < shard.start + width) allowed.select(1, id - shard.start).fill_(neg_inf);
+      }
+    }
+    const std::vector<int64_t> best = detail::to_int64_vector(vocab_parallel_argmax(allowed, shard.start, shard.group));
+    std::vector<int64_t> tokens(active.size(), -1);
+    for (size_t b = 0; b < active.size(); ++b) {
+      if (active[b]) tokens[b] = best[b];
+    }
+    return tokens;
+  }
+
  private:
   int64_t sample_row(const at::Tensor& row_logits, at::Generator& gen) const {
-    at::Tensor scaled = row_logits / options_.temperature;
+    // In float64: logits / a tiny temperature stay finite (a float32 quotient would overflow).
+    at::Tensor scaled = row_logits.to(at::kDouble) / options_.temperature;
     const int64_t vocab = scaled.size(0);
     at::Tensor probs;       // candidate probabilities, most likely first when filtered
     at::Tensor candidates;  // their token ids (undefined: the whole vocabulary in order)

@@ -4,6 +4,8 @@
 
 #include <array>
 #include <cstdint>
+#include <cstring>
+#include <optional>
 #include <numeric>
 #include <vector>
 
@@ -176,8 +178,48 @@ struct VisionInputs {
     return out;
   }
 
+  /// One 64-bit fingerprint per image from its grid, size and pixels: equal pictures give equal
+  /// fingerprints; a different picture gives a different one except with negligible chance.
+  std::vector<uint64_t> fingerprints() const {
+    std::vector<uint64_t> out;
+    if (empty() || !pixel_values.defined()) return out;
+    const int64_t n = num_images();
+    std::vector<int64_t> offset(static_cast<size_t>(n) + 1, 0);
+    std::vector<int64_t> grid = detail::to_int64_vector(image_grid_thw);
+    std::vector<int64_t> sizes = detail::to_int64_vector(image_sizes);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t rows = layout == VisionLayout::kPatchFlattened ? grid[3 * i] * grid[3 * i + 1] * grid[3 * i + 2] : 1;
+      offset[i + 1] = offset[i] + rows;
+    }
+    auto mix = [](uint64_t h, uint64_t v) {
+      h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+      return h;
+    };
+    const at::Tensor flat = pixel_values.reshape({pixel_values.size(0), -1});
+    for (int64_t i = 0; i < n; ++i) {
+      at::Tensor values = flat.narrow(0, offset[i], offset[i + 1] - offset[i]).reshape({-1}).to(at::kDouble);
+      // Two position-weighted sums (periods 8191 and 127) and a plain one: cheap, and a swap,
+      // shift or edit of pixels changes at least one of them.
+      at::Tensor index = at::arange(values.numel(), values.options());
+      at::Tensor sums = at::stack({values.sum(), (values * (index.fmod(8191.0) + 1)).sum(),
+                                   (values * (index.fmod(127.0) + 1)).sum()})
+                            .to(at::kCPU);
+      uint64_t h = 1469598103934665603ull;
+      for (int64_t k = 0; k < 3; ++k) {
+        const double v = sums[k].item<double>();
+        uint64_t bits;
+        std::memcpy(&bits, &v, sizeof bits);
+        h = mix(h, bits);
+      }
+      for (int64_t k = 0; k < 3 && !grid.empty(); ++k) h = mix(h, static_cast<uint64_t>(grid[3 * i + k]));
+      for (int64_t k = 0; k < 2 && !sizes.empty(); ++k) h = mix(h, static_cast<uint64_t>(sizes[2 * i + k]));
+      out.push_back(h);
+    }
+    return out;
+  }
+
   /// All tensors moved to `device` (pixel_values also to `dtype` when given).
-  VisionInputs to(at::Device device, c10::optional<at::ScalarType> dtype = c10::nullopt) const {
+  VisionInputs to(at::Device device, std::optional<at::ScalarType> dtype = std::nullopt) const {
     VisionInputs out = *this;
     if (pixel_values.defined()) {
       out.pixel_values = dtype ? pixel_values.to(device, *dtype) : pixel_values.to(device);

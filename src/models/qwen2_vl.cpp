@@ -7,8 +7,10 @@
 #include <utility>
 #include <vector>
 
+#include "qwen2_vl_ops.h"
 #include "vlmgen/detail/tensor_utils.h"
 #include "vlmgen/detail/torch_compat.h"
+#include "vlmgen/distributed/communicator.h"
 #include "vlmgen/error.h"
 #include "vlmgen/inference_context.h"
 
@@ -56,6 +58,12 @@ void check_config(const QwenVlConfig& c) {
                "vision hidden_act \"{}\" is not supported (quick_gelu or gelu)", v.hidden_act);
 }
 
+/// The vision tower is split when all of its split dimensions divide by tp; else replicated.
+bool can_shard_vision(const QwenVisionConfig& v, int64_t tp) {
+  const int64_t merged = v.embed_dim * v.spatial_merge_size * v.spatial_merge_size;
+  return tp > 1 && v.num_heads % tp == 0 && (v.embed_dim * v.mlp_ratio) % tp == 0 && merged % tp == 0;
+}
+
 ModelTraits make_traits(const QwenVlConfig& c) {
   ModelTraits t;
   t.vocab_size = c.vocab_size;
@@ -65,7 +73,8 @@ ModelTraits make_traits(const QwenVlConfig& c) {
   t.vision_layout = VisionLayout::kPatchFlattened;
   t.max_sequence_length = c.max_position_embeddings;
   t.supports_kv_cache = true;
-  // Sequence parallelism only splits activations between blocks; the cache holds full K/V.
+  // Sequence parallelism only splits activations between blocks (attention sees the whole
+  // window), so the cache holds every column.
   t.kv_cache_under_sequence_parallel = true;
   t.accepts_partial_image_span = false;
   t.kv_cache.num_layers = c.num_hidden_layers;
@@ -85,18 +94,49 @@ bool is_norm_weight(const std::string& name) {
 
 }  // namespace
 
-Qwen2Vl::Qwen2Vl(const QwenVlConfig& config, Uninitialized) : config_(config) {
+/// What tensor parallelism needs of a config: every rank holds the same number of attention
+/// heads, KV heads, MLP rows and vocabulary rows. Checked before any allocation or collective.
+void Qwen2Vl::check_parallel_config(const QwenVlConfig& c, const ParallelContext& p) {
+  const int64_t tp = p.tp_size();
+  if (tp == 1) return;
+  const auto& group = p.tp_group();
+  VLMGEN_CHECK(group != nullptr && group->size() == tp && group->rank() == p.tp_rank(),
+               "the ParallelContext says tp rank {} of {} but its communicator is {}", p.tp_rank(), tp,
+               group == nullptr ? std::string("missing") : fmt::format("rank {} of {}", group->rank(), group->size()));
+  auto check_divides = [&](const char* field, int64_t value) {
+    VLMGEN_CHECK(value % tp == 0,
+                 "cannot split Qwen2-VL over tensor-parallel size {}: {} {} is not divisible by {} (every rank must "
+                 "hold the same number)",
+                 tp, field, value, tp);
+  };
+  check_divides("num_attention_heads", c.num_attention_heads);
+  check_divides("num_key_value_heads", c.num_key_value_heads);
+  check_divides("intermediate_size", c.intermediate_size);
+  check_divides("vocab_size", c.vocab_size);
+}
+
+Qwen2Vl::Qwen2Vl(const QwenVlConfig& config, Uninitialized, ParallelContext parallel)
+    : config_(config), parallel_(std::move(parallel)) {
   check_config(config_);
+  check_parallel_config(config_, parallel_);
+  tp_comm_ = parallel_.tp_size() > 1 ? parallel_.tp_group().get() : nullptr;
+  vision_sharded_ = can_shard_vision(config_.vision, parallel_.tp_size());
   traits_ = make_traits(config_);
+  traits_.kv_cache.num_kv_heads = config_.num_key_value_heads / parallel_.tp_size();
+  traits_.vocab_parallel_logits = parallel_.tp_size() > 1;
   allocate_weights();
 }
 
-Qwen2Vl::Qwen2Vl(const QwenVlConfig& config, uint64_t seed, double init_std) : Qwen2Vl(config, Uninitialized{}) {
+Qwen2Vl::Qwen2Vl(const QwenVlConfig& config, uint64_t seed, double init_std, ParallelContext parallel)
+    : Qwen2Vl(config, Uninitialized{}, std::move(parallel)) {
   VLMGEN_CHECK(init_std >= 0.0, "init_std must be >= 0, got {}", init_std);
   init_random(seed, init_std);
 }
 
 void Qwen2Vl::allocate_weights() {
+  // Local slices: the split dimension of each weight divided by tp (see weight_slots).
+  const int64_t tp = parallel_.tp_size();
+  const int64_t vtp = vision_sharded_ ? tp : 1;
   const auto opts = at::TensorOptions().dtype(at::kFloat);
   auto linear = [&](int64_t out, int64_t in, bool bias) {
     qwen2_vl::Linear l;
@@ -114,21 +154,23 @@ void Qwen2Vl::allocate_weights() {
   for (int64_t i = 0; i < v.depth; ++i) {
     qwen2_vl::VisionBlock b;
     b.norm1 = layer_norm(e);
-    b.qkv = linear(3 * e, e, true);
-    b.proj = linear(e, e, true);
+    b.qkv = linear(3 * e / vtp, e, true);
+    b.proj = linear(e, e / vtp, true);
     b.norm2 = layer_norm(e);
-    b.fc1 = linear(e * v.mlp_ratio, e, true);
-    b.fc2 = linear(e, e * v.mlp_ratio, true);
+    b.fc1 = linear(e * v.mlp_ratio / vtp, e, true);
+    b.fc2 = linear(e, e * v.mlp_ratio / vtp, true);
     vision_.blocks.push_back(std::move(b));
   }
   vision_.ln_q = layer_norm(e);
-  vision_.merger_fc1 = linear(merged, merged, true);
-  vision_.merger_fc2 = linear(config_.hidden_size, merged, true);
+  vision_.merger_fc1 = linear(merged / vtp, merged, true);
+  vision_.merger_fc2 = linear(config_.hidden_size, merged / vtp, true);
 
   const int64_t h = config_.hidden_size;
-  const int64_t q_out = config_.num_attention_heads * config_.head_dim;
-  const int64_t kv_out = config_.num_key_value_heads * config_.head_dim;
-  lm_.embed_tokens = at::empty({config_.vocab_size, h}, opts);
+  const int64_t q_out = config_.num_attention_heads * config_.head_dim / tp;
+  const int64_t kv_out = config_.num_key_value_heads * config_.head_dim / tp;
+  const int64_t ffn = config_.intermediate_size / tp;
+  const int64_t vocab = config_.vocab_size / tp;
+  lm_.embed_tokens = at::empty({vocab, h}, opts);
   lm_.layers.clear();
   for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
     qwen2_vl::DecoderLayer l;
@@ -138,26 +180,53 @@ void Qwen2Vl::allocate_weights() {
     l.v_proj = linear(kv_out, h, true);
     l.o_proj = linear(h, q_out, false);
     l.post_attention_layernorm = at::empty({h}, opts);
-    l.gate_proj = linear(config_.intermediate_size, h, false);
-    l.up_proj = linear(config_.intermediate_size, h, false);
-    l.down_proj = linear(h, config_.intermediate_size, false);
+    l.gate_proj = linear(ffn, h, false);
+    l.up_proj = linear(ffn, h, false);
+    l.down_proj = linear(h, ffn, false);
     lm_.layers.push_back(std::move(l));
   }
   lm_.norm = at::empty({h}, opts);
   if (config_.tie_word_embeddings) {
     tie_lm_head();
   } else {
-    lm_.lm_head = at::empty({config_.vocab_size, h}, opts);
+    lm_.lm_head = at::empty({vocab, h}, opts);
   }
 }
 
 void Qwen2Vl::init_random(uint64_t seed, double init_std) {
   // One generator walked in named_weights() order: the same weights on every build and device.
+  // A split weight is drawn whole and sliced, so the ranks hold the single-process model.
   at::Generator gen = detail::make_cpu_generator(seed);
-  for (auto& [name, tensor] : named_weights()) {
+  for (WeightSlot& slot : weight_slots()) {
     // Norm weights near 1 (not exactly 1) so a test mixing up two norms can tell them apart.
-    tensor->normal_(is_norm_weight(name) ? 1.0 : 0.0, init_std, gen);
+    const double mean = is_norm_weight(slot.name) ? 1.0 : 0.0;
+    if (slot.layout == qwen2_vl::ShardLayout::kReplicated) {
+      slot.tensor->normal_(mean, init_std, gen);
+      continue;
+    }
+    at::Tensor full = at::empty(full_shape(*slot.tensor, slot.layout), slot.tensor->options());
+    full.normal_(mean, init_std, gen);
+    slot.tensor->copy_(detail::take_shard(full, slot.layout, parallel_.tp_rank(), parallel_.tp_size()));
   }
+}
+
+std::vector<int64_t> Qwen2Vl::full_shape(const at::Tensor& local, qwen2_vl::ShardLayout layout) const {
+  std::vector<int64_t> shape = local.sizes().vec();
+  switch (layout) {
+    case qwen2_vl::ShardLayout::kReplicated: break;
+    case qwen2_vl::ShardLayout::kRows:
+    case qwen2_vl::ShardLayout::kStackedRows: shape[0] *= parallel_.tp_size(); break;
+    case qwen2_vl::ShardLayout::kColumns: shape[1] *= parallel_.tp_size(); break;
+  }
+  return shape;
+}
+
+qwen2_vl::ShardLayout Qwen2Vl::shard_layout(const std::string& name) const {
+  for (const WeightSlot& slot : const_cast<Qwen2Vl*>(this)->weight_slots()) {
+    if (slot.name == name) return slot.layout;
+  }
+  if (name == "lm_head.weight" && config_.tie_word_embeddings) return shard_layout("model.embed_tokens.weight");
+  VLMGEN_FAIL("Qwen2-VL has no weight named '{}'", name);
 }
 
 void Qwen2Vl::tie_lm_head() {
@@ -165,47 +234,63 @@ void Qwen2Vl::tie_lm_head() {
   lm_.lm_head = lm_.embed_tokens;  // same TensorImpl: one copy of the matrix
 }
 
-std::vector<std::pair<std::string, at::Tensor*>> Qwen2Vl::named_weights() {
-  std::vector<std::pair<std::string, at::Tensor*>> out;
-  auto add_linear = [&](const std::string& prefix, qwen2_vl::Linear& l) {
-    out.emplace_back(prefix + ".weight", &l.weight);
-    if (l.bias.defined()) out.emplace_back(prefix + ".bias", &l.bias);
+std::vector<Qwen2Vl::WeightSlot> Qwen2Vl::weight_slots() {
+  using qwen2_vl::ShardLayout;
+  const ShardLayout replicated = ShardLayout::kReplicated;
+  // The layout a weight has when its part of the model is split (kReplicated when it is not).
+  const bool lm_split = parallel_.tp_size() > 1;
+  auto vision = [&](ShardLayout l) { return vision_sharded_ ? l : replicated; };
+  auto text = [&](ShardLayout l) { return lm_split ? l : replicated; };
+  std::vector<WeightSlot> out;
+  // Column-parallel: weight and bias split by rows. Row-parallel: weight split by columns, the
+  // bias (added once after the reduction) whole.
+  auto add_linear = [&](const std::string& prefix, qwen2_vl::Linear& l, ShardLayout weight_layout) {
+    out.push_back({prefix + ".weight", &l.weight, weight_layout});
+    if (l.bias.defined()) {
+      out.push_back({prefix + ".bias", &l.bias, weight_layout == ShardLayout::kColumns ? replicated : weight_layout});
+    }
   };
   auto add_layer_norm = [&](const std::string& prefix, qwen2_vl::LayerNorm& n) {
-    out.emplace_back(prefix + ".weight", &n.weight);
-    out.emplace_back(prefix + ".bias", &n.bias);
+    out.push_back({prefix + ".weight", &n.weight, replicated});
+    out.push_back({prefix + ".bias", &n.bias, replicated});
   };
-  out.emplace_back("visual.patch_embed.proj.weight", &vision_.patch_embed);
+  out.push_back({"visual.patch_embed.proj.weight", &vision_.patch_embed, replicated});
   for (size_t i = 0; i < vision_.blocks.size(); ++i) {
     const std::string p = "visual.blocks." + std::to_string(i);
     qwen2_vl::VisionBlock& b = vision_.blocks[i];
     add_layer_norm(p + ".norm1", b.norm1);
     add_layer_norm(p + ".norm2", b.norm2);
-    add_linear(p + ".attn.qkv", b.qkv);
-    add_linear(p + ".attn.proj", b.proj);
-    add_linear(p + ".mlp.fc1", b.fc1);
-    add_linear(p + ".mlp.fc2", b.fc2);
+    add_linear(p + ".attn.qkv", b.qkv, vision(ShardLayout::kStackedRows));
+    add_linear(p + ".attn.proj", b.proj, vision(ShardLayout::kColumns));
+    add_linear(p + ".mlp.fc1", b.fc1, vision(ShardLayout::kRows));
+    add_linear(p + ".mlp.fc2", b.fc2, vision(ShardLayout::kColumns));
   }
   add_layer_norm("visual.merger.ln_q", vision_.ln_q);
-  add_linear("visual.merger.mlp.0", vision_.merger_fc1);
-  add_linear("visual.merger.mlp.2", vision_.merger_fc2);
+  add_linear("visual.merger.mlp.0", vision_.merger_fc1, vision(ShardLayout::kRows));
+  add_linear("visual.merger.mlp.2", vision_.merger_fc2, vision(ShardLayout::kColumns));
 
-  out.emplace_back("model.embed_tokens.weight", &lm_.embed_tokens);
+  out.push_back({"model.embed_tokens.weight", &lm_.embed_tokens, text(ShardLayout::kRows)});
   for (size_t i = 0; i < lm_.layers.size(); ++i) {
     const std::string p = "model.layers." + std::to_string(i);
     qwen2_vl::DecoderLayer& l = lm_.layers[i];
-    add_linear(p + ".self_attn.q_proj", l.q_proj);
-    add_linear(p + ".self_attn.k_proj", l.k_proj);
-    add_linear(p + ".self_attn.v_proj", l.v_proj);
-    add_linear(p + ".self_attn.o_proj", l.o_proj);
-    add_linear(p + ".mlp.gate_proj", l.gate_proj);
-    add_linear(p + ".mlp.up_proj", l.up_proj);
-    add_linear(p + ".mlp.down_proj", l.down_proj);
-    out.emplace_back(p + ".input_layernorm.weight", &l.input_layernorm);
-    out.emplace_back(p + ".post_attention_layernorm.weight", &l.post_attention_layernorm);
+    add_linear(p + ".self_attn.q_proj", l.q_proj, text(ShardLayout::kRows));
+    add_linear(p + ".self_attn.k_proj", l.k_proj, text(ShardLayout::kRows));
+    add_linear(p + ".self_attn.v_proj", l.v_proj, text(ShardLayout::kRows));
+    add_linear(p + ".self_attn.o_proj", l.o_proj, text(ShardLayout::kColumns));
+    add_linear(p + ".mlp.gate_proj", l.gate_proj, text(ShardLayout::kRows));
+    add_linear(p + ".mlp.up_proj", l.up_proj, text(ShardLayout::kRows));
+    add_linear(p + ".mlp.down_proj", l.down_proj, text(ShardLayout::kColumns));
+    out.push_back({p + ".input_layernorm.weight", &l.input_layernorm, replicated});
+    out.push_back({p + ".post_attention_layernorm.weight", &l.post_attention_layernorm, replicated});
   }
-  out.emplace_back("model.norm.weight", &lm_.norm);
-  if (!config_.tie_word_embeddings) out.emplace_back("lm_head.weight", &lm_.lm_head);
+  out.push_back({"model.norm.weight", &lm_.norm, replicated});
+  if (!config_.tie_word_embeddings) out.push_back({"lm_head.weight", &lm_.lm_head, text(ShardLayout::kRows)});
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor*>> Qwen2Vl::named_weights() {
+  std::vector<std::pair<std::string, at::Tensor*>> out;
+  for (WeightSlot& slot : weight_slots()) out.emplace_back(std::move(slot.name), slot.tensor);
   return out;
 }
 
@@ -268,7 +353,12 @@ at::Tensor Qwen2Vl::forward(const ForwardArgs& args) {
                  args.context->batch_size(), b);
   }
 
-  at::Tensor hidden = at::embedding(lm_.embed_tokens, ids);  // [B, S, hidden], a fresh tensor
+  // [B, S, hidden], a fresh tensor; under TP each rank looks up the ids it holds and an
+  // all-reduce assembles the rows.
+  at::Tensor hidden =
+      tp_comm_ == nullptr
+          ? at::embedding(lm_.embed_tokens, ids)
+          : vocab_parallel_embedding(ids, lm_.embed_tokens, parallel_.tp_rank() * lm_.embed_tokens.size(0), tp_comm_);
 
   const bool have_embeddings = args.image_embeddings.defined();
   if (have_embeddings || !args.vision.empty()) {

@@ -8,7 +8,9 @@
 #include <utility>
 #include <vector>
 
+#include "qwen2_vl_ops.h"
 #include "vlmgen/detail/tensor_utils.h"
+#include "vlmgen/distributed/communicator.h"
 #include "vlmgen/error.h"
 #include "vlmgen/io/safetensors.h"
 #include "vlmgen/models/qwen2_vl.h"
@@ -27,47 +29,102 @@ std::vector<std::string> name_candidates(const std::string& name) {
   return {name};
 }
 
+/// This rank's slice of tensor `name` ([full_shape], already checked) under `layout`, read from
+/// the mapping without touching the other ranks' bytes.
+at::Tensor read_slice(const SafetensorsCheckpoint& checkpoint, const std::string& name,
+                      const std::vector<int64_t>& full_shape, qwen2_vl::ShardLayout layout, int64_t rank, int64_t tp) {
+  switch (layout) {
+    case qwen2_vl::ShardLayout::kReplicated: return checkpoint.tensor(name);
+    case qwen2_vl::ShardLayout::kRows: {
+      const int64_t rows = full_shape[0] / tp;
+      return checkpoint.narrow(name, 0, rank * rows, rows);
+    }
+    case qwen2_vl::ShardLayout::kColumns: {
+      const int64_t cols = full_shape[1] / tp;
+      return checkpoint.narrow(name, 1, rank * cols, cols);
+    }
+    case qwen2_vl::ShardLayout::kStackedRows: {
+      const int64_t third = full_shape[0] / 3;
+      const int64_t rows = third / tp;
+      std::vector<at::Tensor> parts;
+      for (int64_t i = 0; i < 3; ++i) parts.push_back(checkpoint.narrow(name, 0, i * third + rank * rows, rows));
+      return at::cat(parts, 0);
+    }
+  }
+  VLMGEN_FAIL("unknown shard layout of tensor {}", name);
+}
+
 }  // namespace
 
-std::unique_ptr<Qwen2Vl> Qwen2Vl::from_checkpoint(const std::string& dir) {
+std::unique_ptr<Qwen2Vl> Qwen2Vl::from_checkpoint(const std::string& dir, const ParallelContext& parallel) {
   const std::filesystem::path root(dir);
   QwenVlConfig config = QwenVlConfig::from_file((root / "config.json").string());
+  // Checked before the (possibly large) files are mapped: a TP size that does not divide the
+  // heads fails right away, naming the numbers.
+  Qwen2Vl::check_parallel_config(config, parallel);
   SafetensorsCheckpoint checkpoint(dir);
   // Some tied checkpoints leave tie_word_embeddings unset but ship no head: use the embedding.
   if (!checkpoint.contains("lm_head.weight")) config.tie_word_embeddings = true;
-  std::unique_ptr<Qwen2Vl> model(new Qwen2Vl(config, Uninitialized{}));
+  std::unique_ptr<Qwen2Vl> model(new Qwen2Vl(config, Uninitialized{}, parallel));
 
-  auto weights = model->named_weights();
+  std::vector<WeightSlot> weights = model->weight_slots();
   std::vector<std::string> sources(weights.size());
   std::vector<std::string> missing;
   for (size_t i = 0; i < weights.size(); ++i) {
-    for (const std::string& candidate : name_candidates(weights[i].first)) {
+    for (const std::string& candidate : name_candidates(weights[i].name)) {
       if (checkpoint.contains(candidate)) {
         sources[i] = candidate;
         break;
       }
     }
-    if (sources[i].empty()) missing.push_back(weights[i].first);
+    if (sources[i].empty()) missing.push_back(weights[i].name);
   }
   VLMGEN_CHECK(missing.empty(), "checkpoint {} lacks {} of the {} tensors the config needs (either spelling): {}", dir,
                missing.size(), weights.size(), fmt::join(missing, ", "));
 
+  const int64_t rank = parallel.tp_rank();
+  const int64_t tp = parallel.tp_size();
   for (size_t i = 0; i < weights.size(); ++i) {
-    at::Tensor* target = weights[i].second;
+    at::Tensor* target = weights[i].tensor;
     const SafetensorsEntry& entry = checkpoint.entry(sources[i]);
-    VLMGEN_CHECK(entry.shape == target->sizes().vec(),
-                 "tensor {} has shape [{}] in checkpoint {} but the config needs {}", sources[i],
-                 fmt::join(entry.shape, ", "), dir, detail::shape_str(*target));
+    const std::vector<int64_t> full = model->full_shape(*target, weights[i].layout);
+    VLMGEN_CHECK(entry.shape == full, "tensor {} has shape [{}] in checkpoint {} but the config needs [{}]", sources[i],
+                 fmt::join(entry.shape, ", "), dir, fmt::join(full, ", "));
     VLMGEN_CHECK(entry.dtype == at::kFloat || entry.dtype == at::kHalf || entry.dtype == at::kBFloat16,
                  "tensor {} in checkpoint {} is {}; weights must be F32, F16 or BF16", sources[i], dir,
                  c10::toString(entry.dtype));
-    *target = checkpoint.tensor(sources[i]).to(at::kFloat).contiguous();
+    *target = read_slice(checkpoint, sources[i], full, weights[i].layout, rank, tp).to(at::kFloat).contiguous();
   }
   if (model->config_.tie_word_embeddings) model->tie_lm_head();
   return model;
 }
 
 void Qwen2Vl::save_checkpoint(const std::string& dir) const {
+  // Under TP every rank takes part in gathering each weight; rank 0 writes.
+  std::map<std::string, at::Tensor> tensors;
+  for (const WeightSlot& slot : const_cast<Qwen2Vl*>(this)->weight_slots()) {
+    at::Tensor full = tp_comm_ == nullptr ? *slot.tensor : detail::gather_shard(*slot.tensor, slot.layout, *tp_comm_);
+    tensors.emplace(slot.name, full.to(at::kCPU).contiguous());
+  }
+  std::string failure;
+  if (parallel_.tp_rank() == 0) {
+    try {
+      write_checkpoint(dir, tensors);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  if (tp_comm_ != nullptr) {
+    // Every rank returns once the files exist, or raises when rank 0 could not write them.
+    at::Tensor written = at::full({1}, failure.empty() ? 1 : 0, at::kLong);
+    tp_comm_->broadcast(written, 0);
+    VLMGEN_CHECK(written.item<int64_t>() == 1 || parallel_.tp_rank() == 0,
+                 "rank 0 could not write checkpoint {} (its own error says why)", dir);
+  }
+  if (!failure.empty()) throw Error(failure);
+}
+
+void Qwen2Vl::write_checkpoint(const std::string& dir, const std::map<std::string, at::Tensor>& tensors) const {
   const std::filesystem::path root(dir);
   std::error_code ec;
   std::filesystem::create_directories(root, ec);
@@ -80,8 +137,6 @@ void Qwen2Vl::save_checkpoint(const std::string& dir) const {
     out.close();
     VLMGEN_CHECK(!out.fail(), "writing {} failed", path);
   }
-  std::map<std::string, at::Tensor> tensors;
-  for (const auto& [name, tensor] : named_weights()) tensors.emplace(name, tensor->to(at::kCPU).contiguous());
   save_safetensors((root / "model.safetensors").string(), tensors, {{"format", "pt"}});
 }
 

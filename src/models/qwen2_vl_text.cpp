@@ -35,6 +35,14 @@ std::pair<at::Tensor, at::Tensor> mrope_cos_sin(const at::Tensor& positions, con
   return {emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)};
 }
 
+/// `x` [B, S, ...] padded with zeros at the end of dim 1 to `length` positions.
+at::Tensor pad_sequence(const at::Tensor& x, int64_t length) {
+  if (x.size(1) == length) return x;
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape[1] = length - x.size(1);
+  return at::cat({x, at::zeros(shape, x.options())}, 1);
+}
+
 }  // namespace
 
 at::Tensor Qwen2Vl::run_language_model(at::Tensor x, const at::Tensor& position_ids, const at::Tensor& attention_mask,
@@ -42,8 +50,10 @@ at::Tensor Qwen2Vl::run_language_model(at::Tensor x, const at::Tensor& position_
   const QwenVlConfig& c = config_;
   const int64_t b = x.size(0);
   const int64_t s = x.size(1);
-  const int64_t heads = c.num_attention_heads;
-  const int64_t kv_heads = c.num_key_value_heads;
+  // Under TP this rank computes heads / tp query heads and kv_heads / tp KV heads.
+  const int64_t tp = parallel_.tp_size();
+  const int64_t heads = c.num_attention_heads / tp;
+  const int64_t kv_heads = c.num_key_value_heads / tp;
   const int64_t groups = heads / kv_heads;
   const int64_t head_dim = c.head_dim;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
@@ -65,9 +75,29 @@ at::Tensor Qwen2Vl::run_language_model(at::Tensor x, const at::Tensor& position_
   // row instead of NaN, and its logits are ignored anyway.
   const double blocked_score = std::numeric_limits<float>::lowest();
 
+  // Sequence parallelism for windows of more than one token: between blocks each rank keeps
+  // [B, padded / tp, hidden] of the residual stream; a one-token decode step is not split.
+  // Attention and the MLP see the whole window (gathered, padding dropped), so positions, the
+  // mask and the KV cache are the same as without SP.
+  Communicator* comm = tp_comm_;
+  const bool split = comm != nullptr && parallel_.sequence_parallel() && s > 1;
+  int64_t padded = s;
+  if (split) {
+    SequenceShard shard = scatter_sequence(x, comm);
+    x = shard.local;
+    padded = shard.padded_len;
+  }
+  auto whole = [&](const at::Tensor& local) { return split ? gather_sequence(local, s, comm) : local; };
+  // Row-parallel output of a block, back in the residual stream's layout.
+  auto reduce = [&](const at::Tensor& in, const qwen2_vl::Linear& linear) {
+    if (!split) return detail::apply_row_parallel(in, linear, comm);
+    return detail::apply_row_parallel(pad_sequence(in, padded), linear, comm,
+                                      RowParallelReduce::kReduceScatterSequence);
+  };
+
   for (size_t layer = 0; layer < lm_.layers.size(); ++layer) {
     const qwen2_vl::DecoderLayer& w = lm_.layers[layer];
-    at::Tensor h = detail::apply_rms_norm(x, w.input_layernorm, c.rms_norm_eps);
+    at::Tensor h = whole(detail::apply_rms_norm(x, w.input_layernorm, c.rms_norm_eps));
     at::Tensor q = detail::apply_linear(h, w.q_proj).view({b, s, heads, head_dim}).transpose(1, 2);
     at::Tensor k = detail::apply_linear(h, w.k_proj).view({b, s, kv_heads, head_dim}).transpose(1, 2);
     at::Tensor v = detail::apply_linear(h, w.v_proj).view({b, s, kv_heads, head_dim}).transpose(1, 2);
@@ -85,14 +115,14 @@ at::Tensor Qwen2Vl::run_language_model(at::Tensor x, const at::Tensor& position_
     at::Tensor probs = at::softmax(scores, -1);
     at::Tensor attn = at::matmul(probs, v);  // [B, kv, g * S, head_dim]
     attn = attn.view({b, heads, s, head_dim}).transpose(1, 2).reshape({b, s, heads * head_dim});
-    x = x + detail::apply_linear(attn, w.o_proj);
+    x = x + reduce(attn, w.o_proj);
 
-    h = detail::apply_rms_norm(x, w.post_attention_layernorm, c.rms_norm_eps);
+    h = whole(detail::apply_rms_norm(x, w.post_attention_layernorm, c.rms_norm_eps));
     at::Tensor gated = at::silu(detail::apply_linear(h, w.gate_proj)) * detail::apply_linear(h, w.up_proj);
-    x = x + detail::apply_linear(gated, w.down_proj);
+    x = x + reduce(gated, w.down_proj);
   }
-  x = detail::apply_rms_norm(x, lm_.norm, c.rms_norm_eps);
-  return at::linear(x, lm_.lm_head);  // [B, S, vocab], float32
+  x = whole(detail::apply_rms_norm(x, lm_.norm, c.rms_norm_eps));
+  return at::linear(x, lm_.lm_head);  // [B, S, vocab] (vocab / tp under TP), float32
 }
 
 }  // namespace vlmgen

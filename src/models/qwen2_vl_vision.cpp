@@ -58,8 +58,12 @@ at::Tensor Qwen2Vl::run_vision_tower(const VisionInputs& vision) {
 
   const at::Device dev = device();
   const int64_t e = vc.embed_dim;
-  const int64_t heads = vc.num_heads;
-  const int64_t head_dim = e / heads;
+  const int64_t head_dim = e / vc.num_heads;
+  // Sharded: this rank computes num_heads / tp heads and its slice of each MLP; replicated:
+  // everything, with no communication.
+  Communicator* comm = vision_sharded_ ? tp_comm_ : nullptr;
+  const int64_t heads = vc.num_heads / (vision_sharded_ ? parallel_.tp_size() : 1);
+  const int64_t local_e = heads * head_dim;
   const int64_t merge = vc.spatial_merge_size;
   const double eps = 1e-6;
 
@@ -102,17 +106,18 @@ at::Tensor Qwen2Vl::run_vision_tower(const VisionInputs& vision) {
       at::Tensor kf = k.narrow(0, first, rows).transpose(0, 1);
       at::Tensor vf = v.narrow(0, first, rows).transpose(0, 1);
       at::Tensor probs = at::softmax(at::matmul(qf, kf.transpose(1, 2)) * scale, -1);
-      outputs.push_back(at::matmul(probs, vf).transpose(0, 1).reshape({rows, e}));
+      outputs.push_back(at::matmul(probs, vf).transpose(0, 1).reshape({rows, local_e}));
     }
     at::Tensor attn = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 0);
-    x = x + detail::apply_linear(attn, blk.proj);
+    x = x + detail::apply_row_parallel(attn, blk.proj, comm);
     h = detail::apply_layer_norm(x, blk.norm2, eps);
-    x = x + detail::apply_linear(activation(detail::apply_linear(h, blk.fc1), vc.hidden_act), blk.fc2);
+    x = x + detail::apply_row_parallel(activation(detail::apply_linear(h, blk.fc1), vc.hidden_act), blk.fc2, comm);
   }
 
   // Merger: consecutive merge^2 rows are one merge window, concatenated into one LM token.
   at::Tensor merged = detail::apply_layer_norm(x, vision_.ln_q, eps).reshape({n / (merge * merge), e * merge * merge});
-  merged = detail::apply_linear(at::gelu(detail::apply_linear(merged, vision_.merger_fc1)), vision_.merger_fc2);
+  merged =
+      detail::apply_row_parallel(at::gelu(detail::apply_linear(merged, vision_.merger_fc1)), vision_.merger_fc2, comm);
   ++vision_tower_calls_;
   return merged;  // [sum_i t_i*h_i*w_i / merge^2, hidden], float32
 }

@@ -4,6 +4,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -134,10 +136,64 @@ TEST_F(ErrorFixture, ContinuationThatDoesNotRepeatTheCachedPrefix) {
 
 TEST_F(ErrorFixture, CachedPrefixThatEndsInsideAnImage) {
   InferenceContext context(model.traits().kv_cache, 1, 32);
-  // Cache "3 7 P P" (half of the image), then ask for the whole prompt.
-  generator.generate({{{3, 7, kImage, kImage}}, test::make_images({{1, 2, 4}}), &context},
-                     GenerationConfig().max_new_tokens(1));
+  generator.generate({{prompt}, vision, &context}, GenerationConfig().max_new_tokens(1));
+  context.truncate(4);  // keep "3 7 P P": half of the image, which the context then forgets
+  EXPECT_TRUE(context.cached_images().empty());
   expect_error([&] { generator.generate({{prompt}, vision, &context}); }, {"image 0", "[2, 6)", "[4, 7)"});
+  EXPECT_EQ(context.length(), 4);
+}
+
+TEST_F(ErrorFixture, ContinuationMustBringTheCachedImage) {
+  // Cache "3 7 <image A> 11", then continue with the same tokens and a different picture of the
+  // same grid: token ids alone cannot tell, the image fingerprints can.
+  InferenceContext context(model.traits().kv_cache, 1, 32);
+  generator.generate({{prompt}, vision, &context}, GenerationConfig().max_new_tokens(1));
+  auto longer = prompt;
+  longer.push_back(12);
+  auto other_picture = test::make_images({{1, 4, 4}}, 99);
+  expect_error([&] { generator.generate({{longer}, other_picture, &context}); },
+               {"image 0 (row 0 columns [2, 6)) is not the picture cached there"});
+  EXPECT_EQ(context.length(), 7);
+  // The cached picture itself continues, and gives what a fresh run gives.
+  auto out = generator.generate({{longer}, vision, &context}, GenerationConfig().max_new_tokens(3));
+  FakeVlm fresh;
+  EXPECT_EQ(out.sequences[0].tokens, Generator(fresh)
+                                         .generate({{longer}, vision}, GenerationConfig().max_new_tokens(3))
+                                         .sequences[0]
+                                         .tokens);
+  // A text-only context cannot stand for placeholders cached without pixels.
+  InferenceContext text_context(model.traits().kv_cache, 1, 32);
+  auto plain = prompt;
+  std::replace(plain.begin(), plain.end(), kImage, int64_t{5});
+  generator.generate({{plain}, {}, &text_context}, GenerationConfig().max_new_tokens(1));
+  expect_error([&] { generator.generate({{longer}, vision, &text_context}); }, {"differ from the prompt"});
+}
+
+TEST_F(ErrorFixture, ContextOnAnotherDtypeOrWithAnotherShape) {
+  KvCacheSpec wrong = model.traits().kv_cache;
+  wrong.dtype = at::kFloat;
+  InferenceContext context(wrong, 1, 32);
+  expect_error([&] { generator.generate({{prompt}, vision, &context}); }, {"stores Float", "needs Long"});
+  KvCacheSpec heads = model.traits().kv_cache;
+  heads.num_kv_heads = 2;
+  InferenceContext other(heads, 1, 32);
+  expect_error([&] { generator.generate({{prompt}, vision, &other}); }, {"kv_heads=2", "1 / 1"});
+}
+
+TEST_F(ErrorFixture, PadTokenThatIsThePlaceholder) {
+  expect_error([&] { generator.generate({{prompt, {1, 2}}, vision}, GenerationConfig().pad_token_id(kImage)); },
+               {"pad_token_id 63", "placeholder"});
+}
+
+TEST_F(ErrorFixture, AlwaysModeWithAKvCache) {
+  expect_error([&] { generator.generate({{prompt}, vision}, GenerationConfig().replay_mode(ReplayMode::kAlways)); },
+               {"'always'", "KV-cache"});
+}
+
+TEST_F(ErrorFixture, MaxNewTokensBeyondAnySequence) {
+  expect_error([&] {
+    generator.generate({{prompt}, vision}, GenerationConfig().max_new_tokens(std::numeric_limits<int64_t>::max()));
+  }, {"beyond any sequence length"});
 }
 
 TEST_F(ErrorFixture, ContextGivenWithTheCacheDisabled) {
@@ -153,7 +209,7 @@ TEST_F(ErrorFixture, ModelReturningLogitsOfTheWrongShape) {
   expect_error([&] { Generator(broken).generate({{{1, 2, 3}}}); }, {"[1, 1, 64]", "[1, 3, >= 64]"});
 }
 
-TEST_F(ErrorFixture, ModelThrowingMidGenerationLeavesAUsableContext) {
+TEST_F(ErrorFixture, ModelThrowingMidGenerationLeavesTheContextAsItWas) {
   struct Flaky : testing::FakeVlm {
     int calls = 0;
     at::Tensor forward(const ForwardArgs& args) override {
@@ -163,9 +219,27 @@ TEST_F(ErrorFixture, ModelThrowingMidGenerationLeavesAUsableContext) {
   } flaky;
   Generator g(flaky);
   InferenceContext context(flaky.traits().kv_cache, 1, 32);
+  g.generate({{{1, 2}}, {}, &context}, GenerationConfig().max_new_tokens(1));
+  ASSERT_EQ(context.length(), 2);
   expect_error([&] { g.generate({{{1, 2, 3}}, {}, &context}, GenerationConfig().max_new_tokens(5)); },
                {"flaky model: call 3"});
-  EXPECT_EQ(context.length(), 4) << "prefill + one decode call were committed, the failed call was not";
+  EXPECT_EQ(context.length(), 2) << "the failed call's prefill and decode columns are rolled back";
+  // The same request succeeds on retry and matches a fresh run.
+  auto retry = g.generate({{{1, 2, 3}}, {}, &context}, GenerationConfig().max_new_tokens(5));
+  FakeVlm fresh;
+  EXPECT_EQ(retry.sequences[0].tokens,
+            Generator(fresh).generate({{{1, 2, 3}}}, GenerationConfig().max_new_tokens(5)).sequences[0].tokens);
+  // A throwing streaming callback rolls back too.
+  context.truncate(2);
+  expect_error([&] {
+    GenerateRequest req({{1, 2, 3}}, {}, &context);
+    req.on_token = [](const TokenEvent& e) -> bool {
+      if (e.step == 2) VLMGEN_FAIL("client went away");
+      return true;
+    };
+    g.generate(req, GenerationConfig().max_new_tokens(5));
+  }, {"client went away"});
+  EXPECT_EQ(context.length(), 2);
 }
 
 }  // namespace

@@ -327,8 +327,23 @@ TEST(Sampling, SameSeedSameTokensAndTopKOneIsGreedy) {
   EXPECT_EQ(top1, greedy);
   auto tiny_p = tokens_of(generator.generate({{prompt}}, GenerationConfig().max_new_tokens(12).temperature(0.8).top_p(1e-6).seed(3)));
   EXPECT_EQ(tiny_p, greedy) << "top_p that keeps one token is greedy";
-  auto both = tokens_of(generator.generate({{prompt}}, GenerationConfig().max_new_tokens(12).temperature(0.8).top_k(5).top_p(0.5).seed(3)));
-  EXPECT_EQ(both.size(), 12u);
+  auto cold = tokens_of(generator.generate({{prompt}}, GenerationConfig().max_new_tokens(12).temperature(1e-30).seed(3)));
+  EXPECT_EQ(cold, greedy) << "a vanishing temperature is greedy, not an overflow";
+  // top_k and top_p together: every token is in the top 5 of its step and inside the nucleus.
+  ForwardSpy spy(model);
+  spy.record_tensors(true);
+  auto both = tokens_of(Generator(spy).generate(
+      {{prompt}}, GenerationConfig().max_new_tokens(12).temperature(0.8).top_k(5).top_p(0.5).seed(3)));
+  ASSERT_EQ(both.size(), 12u);
+  for (size_t step = 0; step < both.size(); ++step) {
+    at::Tensor last = spy.calls()[step].logits.select(1, -1)[0];
+    auto [values, ids] = at::topk(last, 5);
+    at::Tensor probs = at::softmax(values / 0.8, 0);
+    at::Tensor before = probs.cumsum(0) - probs;
+    bool inside = false;
+    for (int64_t i = 0; i < 5; ++i) inside |= ids[i].item<int64_t>() == both[step] && (i == 0 || before[i].item<double>() < 0.5);
+    EXPECT_TRUE(inside) << "step " << step << " token " << both[step];
+  }
 }
 
 TEST(Sampling, ARowSamplesTheSameInABatchAsAlone) {
@@ -458,6 +473,50 @@ TEST(Placeholders, GeneratedPlaceholderTokensAreSuppressedUnlessAllowed) {
   }
   auto sampled = generator.generate({{prompt}, vision}, GenerationConfig().max_new_tokens(30).temperature(5.0).seed(1));
   EXPECT_THAT(tokens_of(sampled), ::testing::Not(::testing::Contains(kImage)));
+}
+
+TEST(Streaming, CancellingBetweenPrefillChunksStopsBeforeTheNextChunk) {
+  FakeVlm model;
+  ForwardSpy spy(model);
+  std::atomic<bool> stop{false};
+  spy.on_call([&](const ForwardCall&) { stop = true; });  // set during the first chunk
+  GenerateRequest req({{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}});
+  req.cancel = &stop;
+  auto out = Generator(spy).generate(req, GenerationConfig().max_new_tokens(4).prefill_chunk_size(3));
+  EXPECT_EQ(spy.calls().size(), 1u);
+  EXPECT_TRUE(out.sequences[0].tokens.empty());
+  EXPECT_EQ(out.sequences[0].finish_reason, FinishReason::kCancelled);
+}
+
+TEST(Finishing, ColumnsAfterARowEndsAreMasked) {
+  FakeVlm model;
+  ForwardSpy spy(model);
+  Generator generator(spy);
+  std::vector<int64_t> a = {1, 2, 3}, b = {4, 5};
+  auto free_run = generator.generate({{a, b}}, GenerationConfig().max_new_tokens(6));
+  const int64_t end_id = free_run.sequences[1].tokens[1];  // row 1 ends at its 2nd token
+  spy.clear();
+  auto out = generator.generate({{a, b}}, GenerationConfig().max_new_tokens(6).end_token_ids({end_id}));
+  ASSERT_EQ(out.sequences[1].finish_reason, FinishReason::kEndId);
+  const size_t ended_at = out.sequences[1].tokens.size();  // row 1's last token sits at column 3 + ended_at - 1
+  // The row's later filler columns arrive with mask 0 (the model sees no fake tokens).
+  std::vector<at::Tensor> seen;
+  struct MaskRecorder : testing::FakeVlm {
+    std::vector<at::Tensor>* seen;
+    at::Tensor forward(const ForwardArgs& args) override {
+      seen->push_back(args.attention_mask.clone());
+      return FakeVlm::forward(args);
+    }
+  } recorder;
+  recorder.seen = &seen;
+  Generator(recorder).generate({{a, b}}, GenerationConfig().max_new_tokens(6).end_token_ids({end_id}));
+  const at::Tensor last = seen.back();  // [2, columns]
+  const int64_t last_real = 3 + static_cast<int64_t>(ended_at) - 1;
+  EXPECT_EQ(last[1][last_real].item<int64_t>(), 1) << "the end token itself is real";
+  if (last.size(1) > last_real + 1) {
+    EXPECT_EQ(last[1].narrow(0, last_real + 1, last.size(1) - last_real - 1).sum().item<int64_t>(), 0);
+  }
+  EXPECT_EQ(last[0].narrow(0, 0, last.size(1)).sum().item<int64_t>(), last.size(1)) << "row 0 is still running";
 }
 
 TEST(Stats, TimesAndCountsAreReported) {

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -10,12 +11,21 @@
 
 #include "vlmgen/model.h"
 #include "vlmgen/models/qwen_vl_config.h"
+#include "vlmgen/parallel.h"
 
 namespace vlmgen {
 
 /// Weight groups of the reference Qwen2-VL. Each linear keeps its weight and bias apart so
 /// tensor parallelism can shard q/k/v/gate/up by rows and o/down by columns without unfusing.
 namespace qwen2_vl {
+
+/// How tensor parallelism splits a weight across the ranks of the group (Megatron's layouts).
+enum class ShardLayout {
+  kReplicated,   ///< every rank holds all of it (norms, biases added after a reduction, ...)
+  kRows,         ///< dim 0 in tp equal blocks: column-parallel weights and biases, vocab tables
+  kColumns,      ///< dim 1 in tp equal blocks: row-parallel weights
+  kStackedRows,  ///< [3 * n, ...], q, k and v stacked: each third in tp blocks (the vision qkv)
+};
 
 struct Linear {
   at::Tensor weight;  // [out, in], float32
@@ -71,28 +81,63 @@ struct LanguageModel {
 ///   auto model = vlmgen::Qwen2Vl::from_checkpoint("/models/Qwen2-VL-2B-Instruct");
 ///   vlmgen::InferenceContext ctx(model->traits().kv_cache, /*batch=*/1, /*capacity=*/1024);
 ///   at::Tensor logits = model->forward(args);   // [B, S, vocab]
+///
+/// Tensor parallelism (Megatron-style, over the ParallelContext's tp_group): each rank holds
+/// q/k/v and gate/up split by output rows (column-parallel), o and down split by input columns
+/// (row-parallel, all-reduced), and the embedding and lm_head split by vocabulary rows (a tied
+/// lm_head is the same shard). Attention and KV heads divide evenly over the ranks, so each
+/// rank's KV cache holds num_key_value_heads / tp heads (traits().kv_cache). forward returns
+/// this rank's block of the vocabulary, [B, S, vocab / tp] (traits().vocab_parallel_logits).
+/// The vision tower is sharded the same way (qkv by heads, proj and fc2 row-parallel, fc1
+/// column-parallel, the merger's two linears column- then row-parallel) when its heads, MLP
+/// width and merger width divide by tp, and replicated on every rank otherwise
+/// (vision_tower_sharded()).
+///
+/// Sequence parallelism (parallel.sequence_parallel()): a window of more than one token (the
+/// prefill) is split along the sequence between blocks: padded at the end to a multiple of tp,
+/// all-gathered before each column-parallel projection, reduce-scattered after each
+/// row-parallel one, and gathered (padding dropped) before lm_head. A one-token decode step
+/// skips the split. Attention always sees the whole window, so the KV cache holds every column
+/// and decoding with a cache under SP is exact (traits().kv_cache_under_sequence_parallel).
+///
+///   vlmgen::ParallelContext par = vlmgen::init_parallel_from_env(2);   // torchrun-style ranks
+///   auto model = vlmgen::Qwen2Vl::from_checkpoint(dir, par);           // this rank's slices only
+///   vlmgen::Generator generator(*model, par);                          // same tokens on every rank
 class Qwen2Vl : public CausalVlm {
  public:
   /// Random weights (normal with std `init_std`, RMS/LayerNorm weights around 1), drawn on the
   /// CPU from one generator seeded with `seed`: same config and seed, same weights. Throws vlmgen::Error for a config
   /// the architecture cannot run (heads not dividing, mrope_section not summing to head_dim / 2, ...).
-  explicit Qwen2Vl(const QwenVlConfig& config, uint64_t seed = 0, double init_std = 0.02);
+  /// Under tensor parallelism every rank draws every full tensor and keeps its slice, so the
+  /// ranks together hold exactly the single-process model of the same seed; heads, KV heads,
+  /// intermediate_size and vocab_size must divide by tp_size (vlmgen::Error naming the numbers,
+  /// raised before anything is allocated).
+  explicit Qwen2Vl(const QwenVlConfig& config, uint64_t seed = 0, double init_std = 0.02,
+                   ParallelContext parallel = ParallelContext::single());
 
   /// Reads `dir`/config.json and the safetensors weights in `dir`. Accepts both HF spellings
   /// (`visual.*` + `model.*` and the newer `model.visual.*` + `model.language_model.*`), converts
   /// F16/BF16 to fp32, and ties lm_head to the embedding when the config says so or the
   /// checkpoint has no `lm_head.weight`. Missing tensors are listed by name in a vlmgen::Error.
-  static std::unique_ptr<Qwen2Vl> from_checkpoint(const std::string& dir);
+  /// Under tensor parallelism each rank reads only its own slices from the memory-mapped files;
+  /// the divisibility of heads and vocabulary by tp_size is checked right after config.json,
+  /// before any weight is read.
+  static std::unique_ptr<Qwen2Vl> from_checkpoint(const std::string& dir,
+                                                  const ParallelContext& parallel = ParallelContext::single());
 
   /// Writes `dir`/config.json and `dir`/model.safetensors (HF `visual.*`/`model.*` names; no
-  /// `lm_head.weight` when tied). Creates `dir` when needed.
+  /// `lm_head.weight` when tied). Creates `dir` when needed. Under tensor parallelism every rank
+  /// of the group must call it: the shards are all-gathered, rank 0 writes the full checkpoint,
+  /// and all return once it is written.
   void save_checkpoint(const std::string& dir) const;
 
   const ModelTraits& traits() const override { return traits_; }
-  /// Logits [B, S, vocab], float32. Image placeholders in the window take, in order, the rows
+  /// Logits [B, S, vocab], float32 ([B, S, vocab / tp], this rank's block, under tensor
+  /// parallelism). Image placeholders in the window take, in order, the rows
   /// of args.image_embeddings when defined, else the vision tower's output for args.vision; the
   /// counts must match exactly (vlmgen::Error with both numbers). With neither, placeholders
   /// embed as ordinary tokens. With a context, appends each layer's K/V without committing.
+  /// Under tensor parallelism every rank of the group must make the same calls.
   at::Tensor forward(const ForwardArgs& args) override;
   at::Device device() const override { return lm_.embed_tokens.device(); }
 
@@ -113,9 +158,19 @@ class Qwen2Vl : public CausalVlm {
   bool tied_embeddings() const { return config_.tie_word_embeddings; }
 
   /// Every weight under its HF name (`visual.*`, `model.*`, `lm_head.weight`), each tensor once:
-  /// a tied lm_head is not listed. Pointers stay valid for the model's lifetime.
+  /// a tied lm_head is not listed. Pointers stay valid for the model's lifetime. Under tensor
+  /// parallelism these are this rank's slices (see shard_layout).
   std::vector<std::pair<std::string, at::Tensor*>> named_weights();
   std::vector<std::pair<std::string, const at::Tensor*>> named_weights() const;
+
+  /// How the weight named `name` (as in named_weights) is split across tensor-parallel ranks
+  /// (kReplicated for all of them when tp_size is 1). vlmgen::Error for an unknown name.
+  qwen2_vl::ShardLayout shard_layout(const std::string& name) const;
+
+  const ParallelContext& parallel() const { return parallel_; }
+  /// True when the vision tower is split across tensor-parallel ranks, false when every rank
+  /// holds all of it (tp_size 1, or its heads, MLP width or merger width do not divide by tp).
+  bool vision_tower_sharded() const { return vision_sharded_; }
 
   qwen2_vl::VisionTower& vision_tower() { return vision_; }
   const qwen2_vl::VisionTower& vision_tower() const { return vision_; }
@@ -131,7 +186,21 @@ class Qwen2Vl : public CausalVlm {
 
  private:
   struct Uninitialized {};
-  Qwen2Vl(const QwenVlConfig& config, Uninitialized);
+  Qwen2Vl(const QwenVlConfig& config, Uninitialized, ParallelContext parallel);
+  /// Throws unless heads, KV heads, intermediate_size and vocab_size divide by tp_size.
+  static void check_parallel_config(const QwenVlConfig& config, const ParallelContext& parallel);
+  void write_checkpoint(const std::string& dir, const std::map<std::string, at::Tensor>& tensors) const;
+
+  struct WeightSlot {
+    std::string name;
+    at::Tensor* tensor;
+    qwen2_vl::ShardLayout layout;
+  };
+  /// named_weights with each weight's layout, in the same order.
+  std::vector<WeightSlot> weight_slots();
+  /// The unsharded shape of a weight whose local slice is `local` (tp_size times longer along
+  /// the split dimension).
+  std::vector<int64_t> full_shape(const at::Tensor& local, qwen2_vl::ShardLayout layout) const;
 
   void allocate_weights();
   void init_random(uint64_t seed, double init_std);
@@ -144,6 +213,9 @@ class Qwen2Vl : public CausalVlm {
                                 int64_t window_start, InferenceContext* context) const;
 
   QwenVlConfig config_;
+  ParallelContext parallel_;
+  Communicator* tp_comm_ = nullptr;  // parallel_.tp_group(), null when tp_size is 1
+  bool vision_sharded_ = false;
   ModelTraits traits_;
   qwen2_vl::VisionTower vision_;
   qwen2_vl::LanguageModel lm_;
