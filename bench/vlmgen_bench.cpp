@@ -187,7 +187,9 @@ int run_report(bool quick, const std::string& json_path, int threads) {
   nlohmann::json out;
   out["build"] = build_info();
   out["threads"] = at::get_num_threads();
-  fmt::print("vlmgen-bench report ({}; {} threads)\n", build_info(), at::get_num_threads());
+  const char* wait = std::getenv("OMP_WAIT_POLICY");
+  fmt::print("vlmgen-bench report ({}; {} threads; OMP_WAIT_POLICY={})\n", build_info(), at::get_num_threads(),
+             wait != nullptr ? wait : "unset");
 
   auto t_build = Clock::now();
   Qwen2Vl big(config_100m(), 1);
@@ -352,6 +354,7 @@ BENCHMARK(BM_Greedy)->Arg(152064);
 }  // namespace vlmgen::bench
 
 int main(int argc, char** argv) {
+  vlmgen::detail::prefer_passive_openmp_wait(argv);
   bool report = false, quick = false;
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   std::string json;

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "vlmgen/detail/torch_compat.h"
 #include "vlmgen/distributed/launch.h"
 #include "vlmgen/error.h"
 #include "vlmgen/generator.h"
@@ -73,6 +74,7 @@ std::string self_executable(const char* argv0) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  vlmgen::detail::prefer_passive_openmp_wait(argv);
   CLI::App app("Generate with a Qwen2-VL checkpoint, streaming tokens");
   std::string checkpoint, prompt_text, replay = "span-aware";
   std::vector<std::string> image_paths;

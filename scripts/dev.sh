@@ -52,4 +52,6 @@ if [ "$what" = demo ]; then
   exec "$build_dir/tools/vlmgen-demo" "$@"
 fi
 cd "$build_dir"
+# LibTorch's OpenMP threads otherwise spin against OpenBLAS's (see README, "Speed").
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 exec ctest --output-on-failure -j "$jobs"

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "vlmgen/detail/torch_compat.h"
 #include "vlmgen/error.h"
 #include "vlmgen/generator.h"
 #include "vlmgen/image/qwen_image_processor.h"
@@ -126,6 +127,7 @@ int run(const std::string& checkpoint, int64_t generated, uint64_t seed, const s
 }  // namespace
 
 int main(int argc, char** argv) {
+  vlmgen::detail::prefer_passive_openmp_wait(argv);
   CLI::App app(
       "Caption pictures with the shipped shapes VLM, with and without a KV cache, and under the legacy "
       "step-zero replay that drops the image after the first token");

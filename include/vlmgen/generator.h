@@ -113,6 +113,10 @@ class GenerationConfig {
   /// generated placeholder has no image behind it, so every later full-prefix recompute would
   /// present the model more placeholders than embeddings. Default false.
   VLMGEN_OPTION(bool, allow_placeholder_tokens, false)
+  /// Ask the model for the logits of every column of each window (tests and analysis read
+  /// them through a ForwardSpy). Off by default: the generator needs the last column only, and
+  /// the output layer over a long prompt costs time and B x S x vocab floats. Default false.
+  VLMGEN_OPTION(bool, full_logits, false)
 
  public:
   SamplingOptions sampling() const {
@@ -452,6 +456,7 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
     args.context = context;
     args.window_start = start;
     args.step = step;
+    args.last_column_logits = !config.full_logits();
     if (!images.empty()) {
       if (images != last_images) {
         last_images = images;
@@ -488,15 +493,19 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
       args.vision.layout = vision.layout;
     }
     at::Tensor logits = model_.forward(args);
+    // Every column of the window, or only the last when that is all the generator asked for.
+    auto columns_ok = [&](const at::Tensor& l) {
+      return l.size(1) == end - start || (args.last_column_logits && l.size(1) == 1);
+    };
     if (vocab_parallel) {
-      VLMGEN_CHECK(logits.defined() && logits.dim() == 3 && logits.size(0) == batch && logits.size(1) == end - start &&
+      VLMGEN_CHECK(logits.defined() && logits.dim() == 3 && logits.size(0) == batch && columns_ok(logits) &&
                        logits.size(2) * parallel_.tp_size() >= traits.vocab_size,
                    "the model returned vocab-parallel logits {} for a window of [{}, {}, >= {} / {}]: tensor-parallel "
                    "size {} times the block of {} ids must cover the vocabulary of {}",
                    detail::shape_str(logits), batch, end - start, traits.vocab_size, parallel_.tp_size(),
                    parallel_.tp_size(), logits.dim() == 3 ? logits.size(2) : 0, traits.vocab_size);
     } else {
-      VLMGEN_CHECK(logits.defined() && logits.dim() == 3 && logits.size(0) == batch && logits.size(1) == end - start &&
+      VLMGEN_CHECK(logits.defined() && logits.dim() == 3 && logits.size(0) == batch && columns_ok(logits) &&
                        logits.size(2) >= traits.vocab_size,
                    "the model returned logits {} for a window of [{}, {}, >= {}]{}", detail::shape_str(logits), batch,
                    end - start, traits.vocab_size,
@@ -515,7 +524,7 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
       }
     }
     ++result.stats.forward_calls;
-    at::Tensor last_column = logits.select(1, end - start - 1);
+    at::Tensor last_column = logits.select(1, logits.size(1) - 1);
     return vocab_parallel ? last_column : last_column.narrow(-1, 0, traits.vocab_size);
   };
 

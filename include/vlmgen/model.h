@@ -69,6 +69,9 @@ struct ForwardArgs {
   /// uses these rows instead of running its vision tower on `vision`.
   at::Tensor image_embeddings;
   int64_t window_start = 0;
+  /// The caller reads only the window's last column: the model may return logits [B, 1, V]
+  /// and skip the output layer for the other columns.
+  bool last_column_logits = false;
   /// 0 for the prefill (every chunk of it), k for the call that yields the k+1-th token.
   int64_t step = 0;
 };

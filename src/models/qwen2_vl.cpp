@@ -388,7 +388,7 @@ at::Tensor Qwen2Vl::forward(const ForwardArgs& args) {
   // Without vision, placeholder tokens embed as ordinary tokens: the legacy step-zero behaviour
   // that the replay tests reproduce on purpose.
 
-  return run_language_model(hidden, positions, mask, start, args.context);
+  return run_language_model(hidden, positions, mask, start, args.context, args.last_column_logits);
 }
 
 RopePlan Qwen2Vl::plan_positions(const at::Tensor& input_ids, const at::Tensor& attention_mask,

@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "vlmgen/detail/tensor_utils.h"
 #include "vlmgen/distributed/communicator.h"
 #include "vlmgen/distributed/tensor_parallel.h"
 #include "vlmgen/models/qwen2_vl.h"
@@ -13,7 +14,7 @@
 namespace vlmgen::detail {
 
 inline at::Tensor apply_linear(const at::Tensor& x, const qwen2_vl::Linear& linear) {
-  return linear.bias.defined() ? at::linear(x, linear.weight, linear.bias) : at::linear(x, linear.weight);
+  return detail::linear(x, linear.weight, linear.bias);
 }
 
 /// A row-parallel linear: this rank's partial product, all-reduced (or reduce-scattered along

@@ -46,7 +46,8 @@ at::Tensor pad_sequence(const at::Tensor& x, int64_t length) {
 }  // namespace
 
 at::Tensor Qwen2Vl::run_language_model(at::Tensor x, const at::Tensor& position_ids, const at::Tensor& attention_mask,
-                                       int64_t window_start, InferenceContext* context) const {
+                                       int64_t window_start, InferenceContext* context,
+                                       bool last_column_only) const {
   const QwenVlConfig& c = config_;
   const int64_t b = x.size(0);
   const int64_t s = x.size(1);
@@ -122,7 +123,8 @@ at::Tensor Qwen2Vl::run_language_model(at::Tensor x, const at::Tensor& position_
     x = x + reduce(gated, w.down_proj);
   }
   x = whole(detail::apply_rms_norm(x, lm_.norm, c.rms_norm_eps));
-  return at::linear(x, lm_.lm_head);  // [B, S, vocab] (vocab / tp under TP), float32
+  if (last_column_only) x = x.narrow(1, x.size(1) - 1, 1);
+  return detail::linear(x, lm_.lm_head);  // [B, S or 1, vocab] (vocab / tp under TP), float32
 }
 
 }  // namespace vlmgen

@@ -206,7 +206,17 @@ TEST_F(ErrorFixture, ModelReturningLogitsOfTheWrongShape) {
   struct Broken : testing::FakeVlm {
     at::Tensor forward(const ForwardArgs& args) override { return FakeVlm::forward(args).narrow(1, 0, 1); }
   } broken;
-  expect_error([&] { Generator(broken).generate({{{1, 2, 3}}}); }, {"[1, 1, 64]", "[1, 3, >= 64]"});
+  // One column is fine when only the last is asked for, not when every column is.
+  expect_error([&] { Generator(broken).generate({{{1, 2, 3}}}, GenerationConfig().full_logits(true)); },
+               {"[1, 1, 64]", "[1, 3, >= 64]"});
+  EXPECT_EQ(Generator(broken).generate({{{1, 2, 3}}}, GenerationConfig().max_new_tokens(2)).sequences[0].tokens.size(),
+            2u);
+  struct TwoColumns : testing::FakeVlm {
+    at::Tensor forward(const ForwardArgs& args) override {
+      return at::cat({FakeVlm::forward(args), FakeVlm::forward(args)}, 1).narrow(1, 0, 2);
+    }
+  } two;
+  expect_error([&] { Generator(two).generate({{{1, 2, 3}}}); }, {"[1, 2, 64]", "[1, 3, >= 64]"});
 }
 
 TEST_F(ErrorFixture, ModelThrowingMidGenerationLeavesTheContextAsItWas) {

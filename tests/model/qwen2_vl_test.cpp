@@ -778,6 +778,21 @@ TEST_F(Qwen2VlGeneratorTest, PerStepLogitsWithKvCacheAgreeWithNoCache) {
   for (size_t r = 0; r < prompts_.size(); ++r) EXPECT_EQ(cached.sequences[r].tokens, recomputed.sequences[r].tokens);
 }
 
+TEST_F(Qwen2VlGeneratorTest, OnlyTheLastColumnsLogitsAreComputedUnlessAsked) {
+  testing::ForwardSpy spy(model_);
+  spy.record_tensors(true);
+  auto lean = Generator(spy).generate(make_request(prompts_, vision_), GenerationConfig().max_new_tokens(4));
+  ASSERT_EQ(spy.calls().size(), 4u);
+  EXPECT_EQ(spy.calls()[0].logits.size(1), 1) << "the prefill returns one column, not the whole prompt";
+  const at::Tensor lean_first = spy.calls()[0].logits.select(1, 0);
+  spy.clear();
+  auto full = Generator(spy).generate(make_request(prompts_, vision_),
+                                      GenerationConfig().max_new_tokens(4).full_logits(true));
+  EXPECT_EQ(spy.calls()[0].logits.size(1), static_cast<int64_t>(left_pad(prompts_).ids.size(1)));
+  EXPECT_LE(max_abs_diff(spy.calls()[0].logits.select(1, -1), lean_first), kCacheTolerance);
+  for (size_t r = 0; r < prompts_.size(); ++r) EXPECT_EQ(lean.sequences[r].tokens, full.sequences[r].tokens);
+}
+
 TEST_F(Qwen2VlGeneratorTest, EncoderCacheRunsTheTowerOncePerRequest) {
   Generator generator(model_);
   auto cached = generator.generate(make_request(prompts_, vision_),
@@ -829,7 +844,7 @@ double prompt_logit_drift(Qwen2Vl& model, const std::vector<std::vector<int64_t>
   testing::ForwardSpy spy(model);
   spy.record_tensors(true);
   Generator(spy).generate(make_request(prompts, vision),
-                          GenerationConfig().max_new_tokens(8).enable_kv_cache(false).replay_mode(mode));
+                          GenerationConfig().max_new_tokens(8).enable_kv_cache(false).replay_mode(mode).full_logits(true));
   EXPECT_EQ(spy.calls().size(), 8u);
   const at::Tensor& step0 = spy.calls().front().logits;
   const int64_t prompt_len = step0.size(1);

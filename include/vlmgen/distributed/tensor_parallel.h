@@ -66,7 +66,7 @@ inline at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& 
   VLMGEN_CHECK(local_weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == local_weight.size(1),
                "column_parallel_linear: input {} does not match local weight {} ([out/tp, in])", detail::shape_str(x),
                detail::shape_str(local_weight));
-  at::Tensor y = at::linear(x, local_weight, local_bias);
+  at::Tensor y = detail::linear(x, local_weight, local_bias);
   if (!gather_output || detail::group_size(comm) == 1) return y;
   return comm->all_gather(y, -1);
 }
@@ -88,7 +88,7 @@ inline at::Tensor row_parallel_linear(const at::Tensor& x_local, const at::Tenso
   VLMGEN_CHECK(local_weight.dim() == 2 && x_local.dim() >= 1 && x_local.size(-1) == local_weight.size(1),
                "row_parallel_linear: local input {} does not match local weight {} ([out, in/tp])",
                detail::shape_str(x_local), detail::shape_str(local_weight));
-  at::Tensor partial = at::linear(x_local, local_weight);
+  at::Tensor partial = detail::linear(x_local, local_weight);
   if (detail::group_size(comm) > 1) {
     if (reduce == RowParallelReduce::kAllReduce) {
       comm->all_reduce_sum(partial);

@@ -208,9 +208,10 @@ class Qwen2Vl : public CausalVlm {
 
   /// Vision tower over a validated bundle: [sum_i t_i*h_i*w_i / merge^2, hidden].
   at::Tensor run_vision_tower(const VisionInputs& vision);
-  /// Decoder over embeddings [B, S, hidden]: logits [B, S, vocab].
+  /// Decoder over embeddings [B, S, hidden]: logits [B, S, vocab] ([B, 1, vocab] for the last
+  /// column only).
   at::Tensor run_language_model(at::Tensor hidden, const at::Tensor& position_ids, const at::Tensor& attention_mask,
-                                int64_t window_start, InferenceContext* context) const;
+                                int64_t window_start, InferenceContext* context, bool last_column_only = false) const;
 
   QwenVlConfig config_;
   ParallelContext parallel_;
