@@ -47,33 +47,12 @@ constexpr double kParityTolerance = 2e-5;
 // A small config with every dimension distinct enough to catch transposed weights: LM hidden 64,
 // 4 heads over 2 KV heads, head_dim 16; vision embed 32, 2 heads, patches of 3x2x2x2 = 24 values.
 QwenVlConfig test_config() {
-  QwenVlConfig c;
-  c.hidden_size = 64;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 16;
+  // QwenVlConfig::tiny() with a smaller MLP, 2-pixel patches and a shorter context, so every
+  // dimension differs from the others and a transposed weight cannot go unnoticed.
+  QwenVlConfig c = QwenVlConfig::tiny();
   c.intermediate_size = 96;
-  c.rms_norm_eps = 1e-6;
-  c.rope_theta = 10000.0;
-  c.mrope_section = {2, 3, 3};
-  c.vocab_size = 96;
   c.max_position_embeddings = 512;
-  c.tie_word_embeddings = false;
-  c.image_token_id = kImage;
-  c.video_token_id = 91;
-  c.vision_start_token_id = kVisionStart;
-  c.vision_end_token_id = kVisionEnd;
-  c.vision.depth = 2;
-  c.vision.embed_dim = 32;
-  c.vision.num_heads = 2;
-  c.vision.mlp_ratio = 2;
-  c.vision.in_channels = 3;
   c.vision.patch_size = 2;
-  c.vision.temporal_patch_size = 2;
-  c.vision.spatial_merge_size = 2;
-  c.vision.hidden_size = 64;
-  c.vision.hidden_act = "quick_gelu";
   return c;
 }
 

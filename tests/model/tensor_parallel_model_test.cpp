@@ -68,33 +68,13 @@ void report(const char* what, double value) { std::printf("[ measured ] %s: %.3g
 // The config of qwen2_vl_test.cpp: LM hidden 64, 4 heads over 2 KV heads, head_dim 16, MLP 96,
 // vocabulary 96; vision embed 32 with `vision_heads` heads (2 divides TP=2, 1 does not).
 QwenVlConfig test_config(int64_t vision_heads = 2) {
-  QwenVlConfig c;
-  c.hidden_size = 64;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 16;
+  // QwenVlConfig::tiny() with a smaller MLP, 2-pixel patches and a shorter context, so every
+  // dimension differs from the others and a transposed weight cannot go unnoticed.
+  QwenVlConfig c = QwenVlConfig::tiny();
   c.intermediate_size = 96;
-  c.rms_norm_eps = 1e-6;
-  c.rope_theta = 10000.0;
-  c.mrope_section = {2, 3, 3};
-  c.vocab_size = 96;
   c.max_position_embeddings = 512;
-  c.tie_word_embeddings = false;
-  c.image_token_id = kImage;
-  c.video_token_id = 91;
-  c.vision_start_token_id = kVisionStart;
-  c.vision_end_token_id = kVisionEnd;
-  c.vision.depth = 2;
-  c.vision.embed_dim = 32;
-  c.vision.num_heads = vision_heads;
-  c.vision.mlp_ratio = 2;
-  c.vision.in_channels = 3;
   c.vision.patch_size = 2;
-  c.vision.temporal_patch_size = 2;
-  c.vision.spatial_merge_size = 2;
-  c.vision.hidden_size = 64;
-  c.vision.hidden_act = "quick_gelu";
+  c.vision.num_heads = vision_heads;
   return c;
 }
 
