@@ -1,3 +1,4 @@
+#include "qwen_test_util.h"
 #include "vlmgen/models/qwen2_vl.h"
 
 #include <gmock/gmock.h>
@@ -26,13 +27,11 @@
 namespace vlmgen {
 namespace {
 
+using namespace qwen_test;  // NOLINT(google-build-using-namespace)
+
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
-
-constexpr int64_t kImage = 90;
-constexpr int64_t kVisionStart = 88;
-constexpr int64_t kVisionEnd = 89;
 
 // Tolerances, measured on this build (fp32, CPU, LibTorch 1.13) and kept well above what was
 // seen so other BLAS builds do not flake, yet far below the effect of the bugs these tests were
@@ -43,44 +42,6 @@ constexpr double kReplayTolerance = 1e-5;  // no-cache prompt logits, step k vs 
 // Projections of logits (|value| < 5) against the PyTorch transcription printed to 7 significant
 // digits: measured max 3.7e-6, mostly the printing.
 constexpr double kParityTolerance = 2e-5;
-
-// A small config with every dimension distinct enough to catch transposed weights: LM hidden 64,
-// 4 heads over 2 KV heads, head_dim 16; vision embed 32, 2 heads, patches of 3x2x2x2 = 24 values.
-QwenVlConfig test_config() {
-  // QwenVlConfig::tiny() with a smaller MLP, 2-pixel patches and a shorter context, so every
-  // dimension differs from the others and a transposed weight cannot go unnoticed.
-  QwenVlConfig c = QwenVlConfig::tiny();
-  c.intermediate_size = 96;
-  c.max_position_embeddings = 512;
-  c.vision.patch_size = 2;
-  return c;
-}
-
-int64_t patch_dim(const QwenVlConfig& c) {
-  return c.vision.in_channels * c.vision.temporal_patch_size * c.vision.patch_size * c.vision.patch_size;
-}
-
-VisionInputs make_vision(const QwenVlConfig& c, const std::vector<std::array<int64_t, 3>>& grids, uint64_t seed) {
-  at::Generator gen = detail::make_cpu_generator(seed);
-  int64_t rows = 0;
-  std::vector<int64_t> flat;
-  for (const auto& g : grids) {
-    rows += g[0] * g[1] * g[2];
-    flat.insert(flat.end(), g.begin(), g.end());
-  }
-  at::Tensor pixels = at::randn({rows, patch_dim(c)}, gen, at::kFloat);
-  return VisionInputs::patch_flattened(pixels,
-                                       at::tensor(flat, at::kLong).reshape({static_cast<int64_t>(grids.size()), 3}));
-}
-
-// text, <vision_start>, `count` placeholders, <vision_end>, text
-std::vector<int64_t> image_prompt(std::vector<int64_t> before, int64_t count, const std::vector<int64_t>& after) {
-  before.push_back(kVisionStart);
-  before.insert(before.end(), static_cast<size_t>(count), kImage);
-  before.push_back(kVisionEnd);
-  before.insert(before.end(), after.begin(), after.end());
-  return before;
-}
 
 // Left-padded [B, L] ids and mask of `rows`.
 struct Batch {
@@ -117,8 +78,6 @@ double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
   EXPECT_EQ(a.sizes(), b.sizes());
   return (a - b).abs().max().item<double>();
 }
-
-void report(const char* what, double value) { std::printf("[ measured ] %s: %.3g\n", what, value); }
 
 class Qwen2VlTest : public ::testing::Test {
  protected:

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "multiprocess_test_util.h"
+#include "qwen_test_util.h"
 #include "vlmgen/detail/torch_compat.h"
 #include "vlmgen/distributed/communicator.h"
 #include "vlmgen/distributed/tensor_parallel.h"
@@ -42,6 +43,8 @@
 namespace vlmgen {
 namespace {
 
+using namespace qwen_test;  // NOLINT(google-build-using-namespace)
+
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::ThrowsMessage;
@@ -52,54 +55,12 @@ using multiprocess::worker_comm;
 using multiprocess::worker_context;
 using qwen2_vl::ShardLayout;
 
-constexpr int64_t kImage = 90;
-constexpr int64_t kVisionStart = 88;
-constexpr int64_t kVisionEnd = 89;
-
 // TP=2 logits against TP=1 (the same sums split into two partial sums, then added): float32
 // rounding. Measured max 2.4e-7 (greedy), 3.0e-7 (SP); kept far below the logits' spread (~0.1)
 // and the effect of a wrong shard (> 1e-2).
 constexpr double kTpTolerance = 1e-5;
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-
-void report(const char* what, double value) { std::printf("[ measured ] %s: %.3g\n", what, value); }
-
-// The config of qwen2_vl_test.cpp: LM hidden 64, 4 heads over 2 KV heads, head_dim 16, MLP 96,
-// vocabulary 96; vision embed 32 with `vision_heads` heads (2 divides TP=2, 1 does not).
-QwenVlConfig test_config(int64_t vision_heads = 2) {
-  // QwenVlConfig::tiny() with a smaller MLP, 2-pixel patches and a shorter context, so every
-  // dimension differs from the others and a transposed weight cannot go unnoticed.
-  QwenVlConfig c = QwenVlConfig::tiny();
-  c.intermediate_size = 96;
-  c.max_position_embeddings = 512;
-  c.vision.patch_size = 2;
-  c.vision.num_heads = vision_heads;
-  return c;
-}
-
-VisionInputs make_vision(const QwenVlConfig& c, const std::vector<std::array<int64_t, 3>>& grids, uint64_t seed) {
-  at::Generator gen = detail::make_cpu_generator(seed);
-  int64_t rows = 0;
-  std::vector<int64_t> flat;
-  for (const auto& g : grids) {
-    rows += g[0] * g[1] * g[2];
-    flat.insert(flat.end(), g.begin(), g.end());
-  }
-  const int64_t patch = c.vision.in_channels * c.vision.temporal_patch_size * c.vision.patch_size * c.vision.patch_size;
-  at::Tensor pixels = at::randn({rows, patch}, gen, at::kFloat);
-  return VisionInputs::patch_flattened(pixels,
-                                       at::tensor(flat, at::kLong).reshape({static_cast<int64_t>(grids.size()), 3}));
-}
-
-// text, <vision_start>, `count` placeholders, <vision_end>, text
-std::vector<int64_t> image_prompt(std::vector<int64_t> before, int64_t count, const std::vector<int64_t>& after) {
-  before.push_back(kVisionStart);
-  before.insert(before.end(), static_cast<size_t>(count), kImage);
-  before.push_back(kVisionEnd);
-  before.insert(before.end(), after.begin(), after.end());
-  return before;
-}
 
 // Two rows with an image each, of lengths 13 and 14 (left-padded to 14).
 GenerateRequest image_request(const QwenVlConfig& c) {
