@@ -17,9 +17,12 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
+// The format string is checked at compile time against the arguments (fmt::format_string), so
+// a message with more `{}` than values cannot build, instead of throwing fmt::format_error at
+// the moment it should have thrown vlmgen::Error.
 template <typename... Args>
-[[noreturn]] void throw_error(fmt::string_view format, Args&&... args) {
-  throw Error(fmt::vformat(format, fmt::make_format_args(args...)));
+[[noreturn]] void throw_error(fmt::format_string<Args...> format, Args&&... args) {
+  throw Error(fmt::format(format, std::forward<Args>(args)...));
 }
 }  // namespace detail
 

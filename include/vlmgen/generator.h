@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "vlmgen/content_hash.h"
 #include "vlmgen/error.h"
 #include "vlmgen/image_spans.h"
 #include "vlmgen/inference_context.h"
@@ -21,6 +22,7 @@
 #include "vlmgen/positions.h"
 #include "vlmgen/replay_policy.h"
 #include "vlmgen/sampling.h"
+#include "vlmgen/step/rank_agreement.h"
 #include "vlmgen/vision_inputs.h"
 
 namespace vlmgen {
@@ -117,8 +119,17 @@ class GenerationConfig {
   /// them through a ForwardSpy). Off by default: the generator needs the last column only, and
   /// the output layer over a long prompt costs time and B x S x vocab floats. Default false.
   VLMGEN_OPTION(bool, full_logits, false)
+  /// Refuse pixel_values holding a NaN or an infinity before the model runs (one min/max
+  /// reduction over the pixels per call). Turn off only when the caller checks itself.
+  /// Default true.
+  VLMGEN_OPTION(bool, check_pixel_values, true)
 
  public:
+  /// Most columns a row may reach (left-padded prompt + max_new_tokens) when the model sets no
+  /// lower max_sequence_length. The generator sizes its buffers and KV cache for the whole
+  /// request up front, so this bound is checked before anything is allocated.
+  static constexpr int64_t kMaxSequenceColumns = int64_t{1} << 20;
+
   SamplingOptions sampling() const {
     SamplingOptions s;
     s.temperature = temperature_;
@@ -245,11 +256,17 @@ inline void validate_request(const GenerateRequest& request, const GenerationCon
                config.pad_token_id());
   for (int64_t id : config.end_token_ids()) check_id(id, "end token id");
   for (int64_t id : config.stop_token_ids()) check_id(id, "stop token id");
+  const int64_t max_columns = traits.max_sequence_length > 0
+                                  ? std::min(traits.max_sequence_length, GenerationConfig::kMaxSequenceColumns)
+                                  : GenerationConfig::kMaxSequenceColumns;
   for (size_t r = 0; r < request.prompts.size(); ++r) {
     const auto& p = request.prompts[r];
     VLMGEN_CHECK(!p.empty(), "prompt {} is empty: expected at least one token", r);
-    VLMGEN_CHECK(config.max_new_tokens() <= (int64_t{1} << 40) - static_cast<int64_t>(p.size()),
-                 "max_new_tokens {} is beyond any sequence length", config.max_new_tokens());
+    VLMGEN_CHECK(static_cast<int64_t>(p.size()) <= max_columns && config.max_new_tokens() <= max_columns,
+                 "prompt {} of {} tokens + max_new_tokens {} exceeds the limit of {} columns per row (the model's "
+                 "max_sequence_length {}, or GenerationConfig::kMaxSequenceColumns {} when it sets none)",
+                 r, p.size(), config.max_new_tokens(), max_columns, traits.max_sequence_length,
+                 GenerationConfig::kMaxSequenceColumns);
     for (size_t i = 0; i < p.size(); ++i) {
       VLMGEN_CHECK(p[i] >= 0 && p[i] < traits.vocab_size,
                    "prompt {} token {} is {}, outside the vocabulary [0, {})", r, i, p[i], traits.vocab_size);
@@ -266,7 +283,60 @@ inline void validate_request(const GenerateRequest& request, const GenerationCon
                  request.vision.layout == VisionLayout::kPatchFlattened ? "patch-flattened" : "per-image",
                  traits.vision_layout == VisionLayout::kPatchFlattened ? "patch-flattened" : "per-image");
     request.vision.validate(traits.spatial_merge_size);
+    if (config.check_pixel_values()) request.vision.check_finite();
   }
+}
+
+/// Checks that every placeholder span sits between the model's vision start and end tokens
+/// (Qwen-VL: <|vision_start|> <|image_pad|>... <|vision_end|>), when the model declares them:
+/// placeholders outside that frame were not made by the model's own chat format.
+inline void check_span_frames(const std::vector<std::vector<int64_t>>& prompts, const std::vector<ImageSpan>& spans,
+                              const std::vector<int64_t>& pads, const ModelTraits& traits) {
+  if (!traits.vision_start_token_id || !traits.vision_end_token_id) return;
+  for (const ImageSpan& s : spans) {
+    const auto& row = prompts[static_cast<size_t>(s.row)];
+    const int64_t begin = s.begin - pads[s.row], end = s.end - pads[s.row];
+    const bool framed = begin >= 1 && row[begin - 1] == *traits.vision_start_token_id &&
+                        end < static_cast<int64_t>(row.size()) && row[end] == *traits.vision_end_token_id;
+    VLMGEN_CHECK(framed,
+                 "prompt {}: image {}'s placeholders at [{}, {}) must be enclosed by the vision start token {} and "
+                 "the vision end token {}, got {} before and {} after",
+                 s.row, s.image, begin, end, *traits.vision_start_token_id, *traits.vision_end_token_id,
+                 begin >= 1 ? fmt::to_string(row[begin - 1]) : std::string("nothing"),
+                 end < static_cast<int64_t>(row.size()) ? fmt::to_string(row[end]) : std::string("nothing"));
+  }
+}
+
+/// Digest of everything that decides a call's collectives and tokens, for the tensor-parallel
+/// agreement check: prompts, images (bytes, shape, dtype) and every option.
+inline ContentHash request_digest(const GenerateRequest& request, const GenerationConfig& c) {
+  Sha256 sha;
+  sha.update_int(static_cast<int64_t>(request.prompts.size()));
+  for (const auto& p : request.prompts) {
+    sha.update_int(static_cast<int64_t>(p.size()));
+    sha.update(p.data(), p.size() * sizeof(int64_t));
+  }
+  sha.update_int(static_cast<int64_t>(request.vision.layout));
+  hash_tensor(sha, request.vision.pixel_values);
+  hash_tensor(sha, request.vision.image_grid_thw);
+  hash_tensor(sha, request.vision.image_sizes);
+  sha.update_int(request.context != nullptr ? request.context->length() : -1);
+  auto ids = [&](const std::vector<int64_t>& v) {
+    sha.update_int(static_cast<int64_t>(v.size()));
+    sha.update(v.data(), v.size() * sizeof(int64_t));
+  };
+  ids(c.end_token_ids());
+  ids(c.stop_token_ids());
+  for (int64_t v : {c.max_new_tokens(), c.pad_token_id(), c.top_k(), c.prefill_chunk_size(),
+                    static_cast<int64_t>(c.replay_mode()), int64_t{c.enable_kv_cache()}, int64_t{c.return_logprobs()},
+                    int64_t{c.encoder_cache()}, int64_t{c.allow_placeholder_tokens()}, int64_t{c.full_logits()},
+                    int64_t{c.check_pixel_values()}, static_cast<int64_t>(c.seed())}) {
+    sha.update_int(v);
+  }
+  for (double v : {c.temperature(), c.top_p()}) sha.update(&v, sizeof v);
+  sha.update_int(static_cast<int64_t>(c.row_seeds().size()));
+  for (uint64_t v : c.row_seeds()) sha.update_int(static_cast<int64_t>(v));
+  return sha.finish();
 }
 
 }  // namespace detail
@@ -274,6 +344,11 @@ inline void validate_request(const GenerateRequest& request, const GenerationCon
 inline GenerationResult Generator::generate(const GenerateRequest& request, const GenerationConfig& config) {
   InferenceContext* context = request.context;
   const int64_t entry_length = context != nullptr ? context->length() : 0;
+  if (parallel_.tp_size() > 1 && parallel_.tp_group()) {
+    // First, before anything a rank could refuse on its own: all ranks raise together.
+    detail::check_ranks_agree(*parallel_.tp_group(), detail::request_digest(request, config), model_.device(),
+                              "requests");
+  }
   try {
     return generate_unguarded(request, config);
   } catch (...) {
@@ -305,6 +380,7 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
                    "the model's placeholder_counts gave {} counts for {} images", counts.size(), vision.num_images());
     }
     spans = find_image_spans(request.prompts, *traits.image_token_id, counts, pads);
+    detail::check_span_frames(request.prompts, spans, pads, traits);
   }
 
   const int64_t max_new = config.max_new_tokens();
@@ -345,8 +421,8 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
   std::unique_ptr<InferenceContext> own_context;
   InferenceContext* context = nullptr;
   // Fingerprints of the request's images, to record in (and check against) a caller's context.
-  const std::vector<uint64_t> fingerprints =
-      request.context != nullptr && kv.use_kv_cache ? vision.fingerprints() : std::vector<uint64_t>{};
+  const std::vector<ContentHash> fingerprints =
+      request.context != nullptr && kv.use_kv_cache ? vision.fingerprints() : std::vector<ContentHash>{};
   if (kv.use_kv_cache) {
     if (request.context != nullptr) {
       context = request.context;
@@ -405,8 +481,8 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
         }
       }
     } else {
-      own_context = std::make_unique<InferenceContext>(traits.kv_cache, batch, std::max<int64_t>(fed_columns, 1),
-                                                       model_.device());
+      own_context = InferenceContext::allocate(traits.kv_cache, batch, std::max<int64_t>(fed_columns, 1),
+                                               model_.device());
       context = own_context.get();
     }
   }
@@ -489,6 +565,9 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
       args.images = images;
       args.vision = last_vision;
       args.image_embeddings = last_embeddings;
+      // The embeddings are authoritative: the pixels stay behind, so a model cannot use the
+      // wrong one and they do not cross to the device again for every call.
+      if (last_embeddings.defined()) args.vision.pixel_values = at::Tensor();
     } else {
       args.vision.layout = vision.layout;
     }
@@ -540,8 +619,27 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
   };
   auto any_active = [&] { return std::find(active.begin(), active.end(), true) != active.end(); };
 
+  // The prompt's columns [cached, end) into the context, in chunks that never split an image;
+  // returns the last column's logits, or an undefined tensor when cancelled between chunks.
+  auto prefill = [&](int64_t end) {
+    const int64_t first = context->length();
+    const int64_t chunk = config.prefill_chunk_size() > 0 ? config.prefill_chunk_size() : end - first;
+    at::Tensor last;
+    int64_t start = first;
+    while (start < end && !(start > first && cancelled())) {
+      const int64_t chunk_end = policy.chunk_end(start, end - start <= chunk ? end : start + chunk, spans);
+      last = run_window(start, chunk_end, 0);
+      start = chunk_end;
+    }
+    return start < end ? at::Tensor() : last;
+  };
+
   if (max_new == 0) {
     for (auto& s : result.sequences) s.finish_reason = FinishReason::kLength;
+    // Prefill only: a caller's context gets the prompt, to continue from later.
+    if (request.context != nullptr && context != nullptr && !cancelled() && !prefill(prompt_len).defined()) {
+      cancel_all();
+    }
   } else if (cancelled()) {
     cancel_all();
   }
@@ -555,16 +653,9 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
     }
     const int64_t end = prompt_len + step;  // columns holding tokens so far
     at::Tensor last;
-    if (step == 0 && context != nullptr && config.prefill_chunk_size() > 0) {
-      const int64_t first = context->length();
-      int64_t start = first;
-      while (start < end && !(start > first && cancelled())) {
-        const int64_t chunk_end =
-            policy.chunk_end(start, std::min(end, start + config.prefill_chunk_size()), spans);
-        last = run_window(start, chunk_end, 0);
-        start = chunk_end;
-      }
-      if (start < end) {  // cancelled between chunks
+    if (step == 0 && context != nullptr) {
+      last = prefill(end);
+      if (!last.defined()) {  // cancelled between chunks
         cancel_all();
         break;
       }

@@ -3,10 +3,13 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <memory>
 #include <cstdint>
 #include <utility>
 #include <vector>
 
+#include "vlmgen/content_hash.h"
+#include "vlmgen/detail/checked_math.h"
 #include "vlmgen/detail/tensor_utils.h"
 #include "vlmgen/error.h"
 
@@ -32,7 +35,7 @@ struct CachedImage {
   int64_t row = 0;
   int64_t begin = 0;  ///< first placeholder column
   int64_t end = 0;    ///< one past the last
-  uint64_t fingerprint = 0;
+  ContentHash fingerprint{};  ///< VisionInputs::fingerprints of the picture
 };
 
 /// A static KV cache: storage for `capacity` token columns of `batch` rows, allocated once.
@@ -61,6 +64,38 @@ class InferenceContext {
     }
     tokens_ = at::zeros({batch, capacity}, at::kLong);
     mask_ = at::zeros({batch, capacity}, at::kLong);
+  }
+
+  /// Like the constructor, but the storage size is overflow-checked first and an allocation
+  /// failure becomes a vlmgen::Error naming the bytes, instead of the allocator's own error.
+  static std::unique_ptr<InferenceContext> allocate(const KvCacheSpec& spec, int64_t batch, int64_t capacity,
+                                                    at::Device device = at::kCPU) {
+    int64_t bytes = detail::checked_mul(detail::checked_mul(spec.num_layers, 2, "KV cache bytes"),
+                                        detail::checked_mul(spec.num_kv_heads, spec.head_dim, "KV cache bytes"),
+                                        "KV cache bytes");
+    bytes = detail::checked_mul(detail::checked_mul(bytes, static_cast<int64_t>(c10::elementSize(spec.dtype)),
+                                                    "KV cache bytes"),
+                                detail::checked_mul(batch, capacity, "KV cache bytes"), "KV cache bytes");
+    try {
+      return std::make_unique<InferenceContext>(spec, batch, capacity, device);
+    } catch (const c10::Error& e) {
+      VLMGEN_FAIL("could not allocate a KV cache of {} bytes ({} rows x {} columns x {} layers) on {}: {}", bytes,
+                  batch, capacity, spec.num_layers, device.str(), e.what_without_backtrace());
+    } catch (const std::bad_alloc&) {
+      VLMGEN_FAIL("could not allocate a KV cache of {} bytes ({} rows x {} columns x {} layers) on {}", bytes, batch,
+                  capacity, spec.num_layers, device.str());
+    }
+  }
+
+  /// A deep copy: its own storage holding the same committed columns and images, so several
+  /// continuations can start from one cached prefix independently.
+  InferenceContext clone() const {
+    InferenceContext out = *this;
+    for (auto& t : out.keys_) t = t.clone();
+    for (auto& t : out.values_) t = t.clone();
+    out.tokens_ = tokens_.clone();
+    out.mask_ = mask_.clone();
+    return out;
   }
 
   const KvCacheSpec& spec() const { return spec_; }
@@ -127,7 +162,7 @@ class InferenceContext {
   void record_image(const CachedImage& image) {
     VLMGEN_CHECK(image.row >= 0 && image.row < batch_ && image.begin >= 0 && image.begin < image.end &&
                      image.end <= length_,
-                 "cached image at row {} columns [{}, {}) is outside the committed [{}, {}) x [0, {})", image.row,
+                 "cached image at row {} columns [{}, {}) is outside the committed rows [0, {}) x columns [0, {})", image.row,
                  image.begin, image.end, batch_, length_);
     images_.push_back(image);
   }

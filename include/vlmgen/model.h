@@ -18,6 +18,10 @@ struct ModelTraits {
   int64_t vocab_size = 0;
   /// The placeholder token of an image; unset for a text-only model.
   std::optional<int64_t> image_token_id;
+  /// Tokens that must enclose every image's placeholder run (Qwen-VL: <|vision_start|> and
+  /// <|vision_end|>); when both are set, the generator refuses placeholders outside them.
+  std::optional<int64_t> vision_start_token_id;
+  std::optional<int64_t> vision_end_token_id;
   /// The placeholder token of a video frame group; videos are not sent by this version.
   std::optional<int64_t> video_token_id;
   /// Patches merged per side into one LM token (Qwen-VL: 2); 1 for none.

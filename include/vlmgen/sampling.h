@@ -78,6 +78,9 @@ class Sampler {
     VLMGEN_CHECK(logits.dim() == 2 && logits.size(0) == static_cast<int64_t>(active.size()),
                  "sampler expects logits [{}, V], got {}", active.size(), detail::shape_str(logits));
     const int64_t batch = logits.size(0);
+    std::vector<bool> nan_rows(static_cast<size_t>(batch), false);
+    if (logits.isnan().any().item<bool>()) nan_rows = detail::to_bool_vector(logits.isnan().any(-1));
+    check_no_nan(nan_rows, active);
     std::vector<int64_t> tokens(static_cast<size_t>(batch), -1);
     at::Tensor allowed = logits;
     if (!options_.suppressed_tokens.empty()) {
@@ -145,7 +148,10 @@ class Sampler {
         if (id >= shard.start && id < shard.start + width) allowed.select(1, id - shard.start).fill_(neg_inf);
       }
     }
-    const std::vector<int64_t> best = detail::to_int64_vector(vocab_parallel_argmax(allowed, shard.start, shard.group));
+    std::vector<bool> nan_rows;
+    const std::vector<int64_t> best =
+        detail::to_int64_vector(vocab_parallel_argmax(allowed, shard.start, shard.group, &nan_rows));
+    check_no_nan(nan_rows, active);
     std::vector<int64_t> tokens(active.size(), -1);
     for (size_t b = 0; b < active.size(); ++b) {
       if (active[b]) tokens[b] = best[b];
@@ -154,6 +160,17 @@ class Sampler {
   }
 
  private:
+  // NaN logits have no argmax and no distribution to sample: whatever token came out would be
+  // an artefact of the library's NaN ordering, so the step fails instead.
+  static void check_no_nan(const std::vector<bool>& nan_rows, const std::vector<bool>& active) {
+    for (size_t b = 0; b < nan_rows.size() && b < active.size(); ++b) {
+      VLMGEN_CHECK(!(nan_rows[b] && active[b]),
+                   "the model's logits for row {} hold NaN: no token can be chosen (expected finite logits; check the "
+                   "model's weights and inputs)",
+                   b);
+    }
+  }
+
   int64_t sample_row(const at::Tensor& row_logits, at::Generator& gen) const {
     // In float64: logits / a tiny temperature stay finite (a float32 quotient would overflow).
     at::Tensor scaled = row_logits.to(at::kDouble) / options_.temperature;

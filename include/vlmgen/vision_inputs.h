@@ -3,12 +3,15 @@
 #include <ATen/ATen.h>
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <numeric>
 #include <vector>
 
+#include "vlmgen/content_hash.h"
+#include "vlmgen/detail/checked_math.h"
 #include "vlmgen/detail/tensor_utils.h"
 #include "vlmgen/error.h"
 
@@ -76,22 +79,24 @@ struct VisionInputs {
   /// (t, h, w) of every image, read once to the host. Requires kPatchFlattened and a grid.
   std::vector<std::array<int64_t, 3>> grids() const {
     VLMGEN_CHECK(image_grid_thw.defined(), "image_grid_thw is required for the patch-flattened layout");
-    VLMGEN_CHECK(image_grid_thw.dim() == 2 && image_grid_thw.size(1) == 3,
-                 "image_grid_thw must be [num_images, 3], got {}", detail::shape_str(image_grid_thw));
-    VLMGEN_CHECK(detail::is_integral(image_grid_thw), "image_grid_thw must be an integer tensor, got {}",
-                 c10::toString(image_grid_thw.scalar_type()));
+    check_grid_shape();
     std::vector<int64_t> flat = detail::to_int64_vector(image_grid_thw);
     std::vector<std::array<int64_t, 3>> out(flat.size() / 3);
     for (size_t i = 0; i < out.size(); ++i) out[i] = {flat[3 * i], flat[3 * i + 1], flat[3 * i + 2]};
     return out;
   }
 
+  /// Largest spatial merge size validate() accepts (merge^2 must not overflow a count).
+  static constexpr int64_t kMaxSpatialMergeSize = 64;
+
   /// Checks the bundle's tensors against each other. `spatial_merge_size` is the model's
   /// (patches merged per side into one LM token; 1 for none). Throws vlmgen::Error with the
-  /// numbers on the first disagreement.
+  /// numbers on the first disagreement. Every count derived from the grid is overflow-checked.
+  /// Does not read pixel values: check_finite() does.
   void validate(int64_t spatial_merge_size) const {
     if (empty()) return;
-    VLMGEN_CHECK(spatial_merge_size >= 1, "spatial_merge_size must be >= 1, got {}", spatial_merge_size);
+    VLMGEN_CHECK(spatial_merge_size >= 1 && spatial_merge_size <= kMaxSpatialMergeSize,
+                 "spatial_merge_size must be in [1, {}], got {}", kMaxSpatialMergeSize, spatial_merge_size);
     VLMGEN_CHECK(pixel_values.defined(), "the vision bundle has image_grid_thw/image_sizes but no pixel_values");
     VLMGEN_CHECK(at::isFloatingType(pixel_values.scalar_type()),
                  "pixel_values must be a floating-point tensor, got {}",
@@ -108,23 +113,47 @@ struct VisionInputs {
         VLMGEN_CHECK(h % spatial_merge_size == 0 && w % spatial_merge_size == 0,
                      "image {}: grid (t, h, w) = ({}, {}, {}) is not divisible by spatial_merge_size {}",
                      i, t, h, w, spatial_merge_size);
-        rows += t * h * w;
+        rows = detail::checked_add(rows, patch_rows(g[i]), "image_grid_thw: total patch rows");
       }
       VLMGEN_CHECK(pixel_values.size(0) == rows,
                    "pixel_values has {} rows but image_grid_thw needs {} (sum of t*h*w over {} images)",
                    pixel_values.size(0), rows, n);
     } else {
-      VLMGEN_CHECK(!image_grid_thw.defined() || image_grid_thw.size(0) == n,
-                   "image_grid_thw has {} rows but pixel_values has {} images", image_grid_thw.size(0), n);
       VLMGEN_CHECK(pixel_values.dim() >= 2, "pixel_values must be [num_images, ...] for the per-image layout, got {}",
                    detail::shape_str(pixel_values));
+      if (image_grid_thw.defined()) {
+        check_grid_shape();
+        VLMGEN_CHECK(image_grid_thw.size(0) == n, "image_grid_thw has {} rows but pixel_values has {} images",
+                     image_grid_thw.size(0), n);
+      }
     }
     if (image_sizes.defined()) {
       VLMGEN_CHECK(image_sizes.dim() == 2 && image_sizes.size(1) == 2,
                    "image_sizes must be [num_images, 2], got {}", detail::shape_str(image_sizes));
+      VLMGEN_CHECK(detail::is_integral(image_sizes), "image_sizes must be an integer tensor, got {}",
+                   c10::toString(image_sizes.scalar_type()));
       VLMGEN_CHECK(image_sizes.size(0) == n, "image_sizes has {} rows but the bundle has {} images",
                    image_sizes.size(0), n);
+      const std::vector<int64_t> sizes = detail::to_int64_vector(image_sizes);
+      for (size_t i = 0; i < sizes.size(); i += 2) {
+        VLMGEN_CHECK(sizes[i] >= 1 && sizes[i + 1] >= 1,
+                     "image {}: image_sizes (height, width) = ({}, {}) must be positive", i / 2, sizes[i],
+                     sizes[i + 1]);
+      }
     }
+  }
+
+  /// Throws vlmgen::Error when pixel_values holds a NaN or an infinity (a model fed one
+  /// produces NaN logits or, worse, plausible text about nothing). One min/max reduction over
+  /// the tensor, no copy.
+  void check_finite() const {
+    if (!pixel_values.defined() || pixel_values.numel() == 0) return;
+    auto [lo, hi] = at::aminmax(pixel_values);
+    const double min = lo.item<double>(), max = hi.item<double>();
+    VLMGEN_CHECK(std::isfinite(min) && std::isfinite(max),
+                 "pixel_values must be finite, got min {} and max {} (NaN or infinity); check the image decoding "
+                 "and normalization, or turn GenerationConfig::check_pixel_values off if you check yourself",
+                 min, max);
   }
 
   /// Placeholder tokens each image occupies in the token ids. kPatchFlattened: t*h*w / merge^2;
@@ -134,7 +163,9 @@ struct VisionInputs {
     std::vector<int64_t> counts;
     if (empty()) return counts;
     if (layout == VisionLayout::kPatchFlattened) {
-      for (const auto& [t, h, w] : grids()) counts.push_back(t * h * w / (spatial_merge_size * spatial_merge_size));
+      VLMGEN_CHECK(spatial_merge_size >= 1 && spatial_merge_size <= kMaxSpatialMergeSize,
+                   "spatial_merge_size must be in [1, {}], got {}", kMaxSpatialMergeSize, spatial_merge_size);
+      for (const auto& g : grids()) counts.push_back(patch_rows(g) / (spatial_merge_size * spatial_merge_size));
     } else {
       VLMGEN_CHECK(tokens_per_image > 0,
                    "per-image vision layout needs a placeholder count per image from the model (tokens_per_image), got {}",
@@ -178,42 +209,30 @@ struct VisionInputs {
     return out;
   }
 
-  /// One 64-bit fingerprint per image from its grid, size and pixels: equal pictures give equal
-  /// fingerprints; a different picture gives a different one except with negligible chance.
-  std::vector<uint64_t> fingerprints() const {
-    std::vector<uint64_t> out;
+  /// One SHA-256 per image over its pixels (bytes, shape, dtype), grid row and size row: the
+  /// identity a continuation or a prefix-cache hit is checked against. Call on a validated
+  /// bundle (vlmgen::Error otherwise, never a crash).
+  std::vector<ContentHash> fingerprints() const {
+    std::vector<ContentHash> out;
     if (empty() || !pixel_values.defined()) return out;
     const int64_t n = num_images();
     std::vector<int64_t> offset(static_cast<size_t>(n) + 1, 0);
-    std::vector<int64_t> grid = detail::to_int64_vector(image_grid_thw);
-    std::vector<int64_t> sizes = detail::to_int64_vector(image_sizes);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t rows = layout == VisionLayout::kPatchFlattened ? grid[3 * i] * grid[3 * i + 1] * grid[3 * i + 2] : 1;
-      offset[i + 1] = offset[i] + rows;
+    if (layout == VisionLayout::kPatchFlattened) {
+      const auto g = grids();
+      for (int64_t i = 0; i < n; ++i) offset[i + 1] = detail::checked_add(offset[i], patch_rows(g[i]), "fingerprints");
+    } else {
+      for (int64_t i = 0; i < n; ++i) offset[i + 1] = i + 1;
     }
-    auto mix = [](uint64_t h, uint64_t v) {
-      h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
-      return h;
-    };
-    const at::Tensor flat = pixel_values.reshape({pixel_values.size(0), -1});
+    VLMGEN_CHECK(pixel_values.dim() >= 1 && pixel_values.size(0) == offset[n],
+                 "fingerprints: pixel_values {} does not hold the {} rows the bundle's {} images need",
+                 detail::shape_str(pixel_values), offset[n], n);
     for (int64_t i = 0; i < n; ++i) {
-      at::Tensor values = flat.narrow(0, offset[i], offset[i + 1] - offset[i]).reshape({-1}).to(at::kDouble);
-      // Two position-weighted sums (periods 8191 and 127) and a plain one: cheap, and a swap,
-      // shift or edit of pixels changes at least one of them.
-      at::Tensor index = at::arange(values.numel(), values.options());
-      at::Tensor sums = at::stack({values.sum(), (values * (index.fmod(8191.0) + 1)).sum(),
-                                   (values * (index.fmod(127.0) + 1)).sum()})
-                            .to(at::kCPU);
-      uint64_t h = 1469598103934665603ull;
-      for (int64_t k = 0; k < 3; ++k) {
-        const double v = sums[k].item<double>();
-        uint64_t bits;
-        std::memcpy(&bits, &v, sizeof bits);
-        h = mix(h, bits);
-      }
-      for (int64_t k = 0; k < 3 && !grid.empty(); ++k) h = mix(h, static_cast<uint64_t>(grid[3 * i + k]));
-      for (int64_t k = 0; k < 2 && !sizes.empty(); ++k) h = mix(h, static_cast<uint64_t>(sizes[2 * i + k]));
-      out.push_back(h);
+      Sha256 sha;
+      sha.update_int(static_cast<int64_t>(layout));
+      hash_tensor(sha, pixel_values.narrow(0, offset[i], offset[i + 1] - offset[i]));
+      hash_tensor(sha, image_grid_thw.defined() ? image_grid_thw.narrow(0, i, 1) : at::Tensor());
+      hash_tensor(sha, image_sizes.defined() && image_sizes.dim() == 2 ? image_sizes.narrow(0, i, 1) : at::Tensor());
+      out.push_back(sha.finish());
     }
     return out;
   }
@@ -227,6 +246,17 @@ struct VisionInputs {
     if (image_grid_thw.defined()) out.image_grid_thw = image_grid_thw.to(device);
     if (image_sizes.defined()) out.image_sizes = image_sizes.to(device);
     return out;
+  }
+
+ private:
+  void check_grid_shape() const {
+    VLMGEN_CHECK(image_grid_thw.dim() == 2 && image_grid_thw.size(1) == 3,
+                 "image_grid_thw must be [num_images, 3], got {}", detail::shape_str(image_grid_thw));
+    VLMGEN_CHECK(detail::is_integral(image_grid_thw), "image_grid_thw must be an integer tensor, got {}",
+                 c10::toString(image_grid_thw.scalar_type()));
+  }
+  static int64_t patch_rows(const std::array<int64_t, 3>& g) {
+    return detail::checked_mul(detail::checked_mul(g[0], g[1], "image_grid_thw t*h"), g[2], "image_grid_thw t*h*w");
   }
 };
 

@@ -40,35 +40,50 @@ struct ErrorFixture : ::testing::Test {
   std::vector<int64_t> prompt = test::prompt_with_image({3, 7}, kImage, 4, {11});
   VisionInputs vision = test::make_images({{1, 4, 4}});
   std::vector<int64_t> expected;
+  // A caller's context holding the text prefix "3 7": the state a failed call could corrupt.
+  InferenceContext cached{model.traits().kv_cache, 1, 32};
 
-  void SetUp() override { expected = good(); }
-  std::vector<int64_t> good() {
-    return generator.generate({{prompt}, vision}, GenerationConfig().max_new_tokens(4)).sequences[0].tokens;
+  void SetUp() override {
+    generator.generate({{{3, 7}}, {}, &cached}, GenerationConfig().max_new_tokens(0));
+    expected = good();
   }
-  void TearDown() override { EXPECT_EQ(good(), expected) << "the generator must stay usable"; }
+  /// A continuation of the cached prefix, which is kept for the next one.
+  std::vector<int64_t> good() {
+    auto out = generator.generate({{prompt}, vision, &cached}, GenerationConfig().max_new_tokens(4));
+    cached.truncate(2);
+    return out.sequences[0].tokens;
+  }
+  void TearDown() override {
+    ASSERT_EQ(cached.length(), 2) << "a failed call must leave a caller's context as it was";
+    EXPECT_EQ(good(), expected) << "the generator and the context must stay usable";
+    FakeVlm fresh;
+    EXPECT_EQ(expected, Generator(fresh).generate({{prompt}, vision}, GenerationConfig().max_new_tokens(4))
+                            .sequences[0].tokens)
+        << "the continuation equals a one-shot run";
+  }
 };
 
 TEST_F(ErrorFixture, PlaceholderCountDisagreesWithTheBundle) {
   auto short_prompt = test::prompt_with_image({3, 7}, kImage, 3, {11});
-  expect_error([&] { generator.generate({{short_prompt}, vision}); }, {"3 image placeholder", "need 4"});
+  expect_error([&] { generator.generate({{short_prompt}, vision, &cached}); }, {"3 image placeholder", "need 4"});
   expect_error([&] { generator.generate({{prompt}}); }, {"4 image placeholder", "0 images need 0"});
 }
 
 TEST_F(ErrorFixture, GridNotDivisibleByTheMergeSize) {
   auto bad = test::make_images({{1, 3, 4}});
-  expect_error([&] { generator.generate({{prompt}, bad}); }, {"(1, 3, 4)", "spatial_merge_size 2"});
+  expect_error([&] { generator.generate({{prompt}, bad, &cached}); }, {"(1, 3, 4)", "spatial_merge_size 2"});
 }
 
 TEST_F(ErrorFixture, PixelRowsDisagreeWithTheGrid) {
   auto bad = vision;
   bad.pixel_values = vision.pixel_values.narrow(0, 0, 15);
-  expect_error([&] { generator.generate({{prompt}, bad}); }, {"15 rows", "needs 16"});
+  expect_error([&] { generator.generate({{prompt}, bad, &cached}); }, {"15 rows", "needs 16"});
 }
 
 TEST_F(ErrorFixture, ImageSizesRowsDisagreeWithTheImages) {
   auto bad = vision;
   bad.image_sizes = at::ones({2, 2}, at::kLong);
-  expect_error([&] { generator.generate({{prompt}, bad}); }, {"image_sizes has 2 rows", "1 images"});
+  expect_error([&] { generator.generate({{prompt}, bad, &cached}); }, {"image_sizes has 2 rows", "1 images"});
 }
 
 TEST_F(ErrorFixture, VisionTensorsForAModelWithoutAnImageToken) {
@@ -193,7 +208,11 @@ TEST_F(ErrorFixture, AlwaysModeWithAKvCache) {
 TEST_F(ErrorFixture, MaxNewTokensBeyondAnySequence) {
   expect_error([&] {
     generator.generate({{prompt}, vision}, GenerationConfig().max_new_tokens(std::numeric_limits<int64_t>::max()));
-  }, {"beyond any sequence length"});
+  }, {"exceeds the limit of 1048576 columns"});
+  // Far beyond memory but far from overflow: refused before anything is allocated.
+  expect_error([&] {
+    generator.generate({{prompt}, vision}, GenerationConfig().max_new_tokens((int64_t{1} << 40) - 100));
+  }, {"max_new_tokens 1099511627676", "kMaxSequenceColumns"});
 }
 
 TEST_F(ErrorFixture, ContextGivenWithTheCacheDisabled) {

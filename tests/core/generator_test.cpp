@@ -86,7 +86,7 @@ TEST_F(ReplayFixture, KvCacheAndNoCacheGiveTheSameGreedyTokens) {
 
 TEST_F(ReplayFixture, WithoutKvCacheThePromptLogitsAreStepInvariant) {
   spy.record_tensors(true);
-  run(GenerationConfig().max_new_tokens(5).enable_kv_cache(false));
+  run(GenerationConfig().max_new_tokens(5).enable_kv_cache(false).full_logits(true));
   const int64_t len = static_cast<int64_t>(prompt.size());
   const at::Tensor step0 = spy.calls()[0].logits.narrow(1, 0, len);
   for (const auto& c : spy.calls()) {
@@ -96,7 +96,8 @@ TEST_F(ReplayFixture, WithoutKvCacheThePromptLogitsAreStepInvariant) {
 
 TEST_F(ReplayFixture, LegacyStepZeroGateDropsTheImageAndChangesTheTokens) {
   spy.record_tensors(true);
-  auto legacy = run(GenerationConfig().max_new_tokens(6).enable_kv_cache(false).replay_mode(ReplayMode::kStepZero));
+  auto legacy = run(
+      GenerationConfig().max_new_tokens(6).enable_kv_cache(false).replay_mode(ReplayMode::kStepZero).full_logits(true));
   ASSERT_EQ(spy.calls().size(), 6u);
   EXPECT_TRUE(spy.calls()[0].has_all_vision());
   const int64_t len = static_cast<int64_t>(prompt.size());

@@ -9,6 +9,8 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <functional>
 #include <unistd.h>
 
 #include <algorithm>
@@ -263,6 +265,44 @@ TEST(DISABLED_TpModelWorker, GreedyWithImageEqualsTp1WithAndWithoutKvCache) {
     }
   }
   report("TP=2 vs TP=1 per-step logits (greedy, image, KV cache on/off), max|diff|", worst);
+}
+
+// Ranks given different requests (another length, other ids, another option, another picture)
+// all raise the same vlmgen::Error before any collective of the model, and stay usable.
+TEST(DISABLED_TpModelWorker, RanksGivenDifferentRequestsAllRaise) {
+  SKIP_UNLESS_WORKER();
+  const ParallelContext& par = multiprocess::worker_context();
+  ASSERT_EQ(par.tp_size(), 2);
+  const QwenVlConfig config = test_config(2);
+  Qwen2Vl model(config, 13, 0.02, par);
+  Generator generator(model, par);
+  const GenerateRequest request = image_request(config);
+  const auto gen_config = GenerationConfig().max_new_tokens(3);
+  const bool odd = par.tp_rank() == 1;
+  std::vector<std::pair<std::string, std::function<void(GenerateRequest&, GenerationConfig&)>>> cases = {
+      {"longer prompt", [](GenerateRequest& r, GenerationConfig&) { r.prompts[0].push_back(5); }},
+      {"other token", [](GenerateRequest& r, GenerationConfig&) { r.prompts[0][0] += 1; }},
+      {"other max_new_tokens", [](GenerateRequest&, GenerationConfig& c) { c.max_new_tokens(4); }},
+      {"other seed", [](GenerateRequest&, GenerationConfig& c) { c.seed(99); }},
+      {"other picture", [](GenerateRequest& r, GenerationConfig&) {
+         r.vision.pixel_values = r.vision.pixel_values.clone();
+         r.vision.pixel_values.view({-1})[7] += 0.5;
+       }},
+  };
+  for (auto& [what, change] : cases) {
+    GenerateRequest mine = request;
+    GenerationConfig mine_config = gen_config;
+    if (odd) change(mine, mine_config);
+    try {
+      generator.generate(mine, mine_config);
+      ADD_FAILURE() << what << ": expected vlmgen::Error on rank " << par.tp_rank();
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr("tensor-parallel ranks were given different requests: rank(s) [1]"))
+          << what;
+    }
+  }
+  auto out = generator.generate(request, gen_config);
+  expect_same_tokens_on_every_rank(out, *par.tp_group(), 3);
 }
 
 TEST(DISABLED_TpModelWorker, SequenceParallelOddPromptEqualsTp1) {
@@ -532,6 +572,10 @@ std::vector<std::pair<std::string, std::string>> two_rank_env(
 
 TEST(TensorParallelModel, GreedyTp2EqualsTp1WithAndWithoutKvCache) {
   EXPECT_EQ(run_workers(2, "DISABLED_TpModelWorker.GreedyWithImageEqualsTp1WithAndWithoutKvCache", two_rank_env()), 0);
+}
+
+TEST(TensorParallelModel, RanksGivenDifferentRequestsAllRaise) {
+  EXPECT_EQ(run_workers(2, "DISABLED_TpModelWorker.RanksGivenDifferentRequestsAllRaise", two_rank_env()), 0);
 }
 
 TEST(TensorParallelModel, SequenceParallelWithOddPromptEqualsTp1) {

@@ -48,6 +48,12 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at
   return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
 }
 
+/// A 1-D bool tensor as a std::vector<bool>.
+inline std::vector<bool> to_bool_vector(const at::Tensor& t) {
+  std::vector<int64_t> v = to_int64_vector(t);
+  return std::vector<bool>(v.begin(), v.end());
+}
+
 inline bool is_integral(const at::Tensor& t) {
   return at::isIntegralType(t.scalar_type(), /*includeBool=*/false);
 }

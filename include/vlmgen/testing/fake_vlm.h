@@ -25,6 +25,9 @@ struct FakeVlmOptions {
   bool kv_cache_under_sequence_parallel = false;
   bool can_encode_images = false;
   int64_t max_sequence_length = 0;
+  /// Tokens that must frame every image's placeholders (unset: not checked).
+  std::optional<int64_t> vision_start_token_id;
+  std::optional<int64_t> vision_end_token_id;
 };
 
 /// A small deterministic VLM for tests and demos. Its logits are a hash of everything a real
@@ -46,6 +49,8 @@ class FakeVlm : public CausalVlm {
     traits_.supports_kv_cache = options.supports_kv_cache;
     traits_.kv_cache_under_sequence_parallel = options.kv_cache_under_sequence_parallel;
     traits_.max_sequence_length = options.max_sequence_length;
+    traits_.vision_start_token_id = options.vision_start_token_id;
+    traits_.vision_end_token_id = options.vision_end_token_id;
     traits_.kv_cache = KvCacheSpec{1, 1, 1, at::kLong};
   }
 
@@ -139,7 +144,9 @@ class FakeVlm : public CausalVlm {
         }
       }
     }
-    return logits;
+    // Like a real model, honour the request for the last column only: a caller that reads
+    // every column must ask for them (GenerationConfig::full_logits).
+    return args.last_column_logits ? logits.narrow(1, len - 1, 1) : logits;
   }
 
  private:
@@ -158,9 +165,11 @@ class FakeVlm : public CausalVlm {
     at::Tensor pv = vision.pixel_values.to(at::kCPU, at::kDouble).contiguous();
     if (vision.layout == VisionLayout::kPatchFlattened) {
       const int64_t group = options_.spatial_merge_size * options_.spatial_merge_size;
+      VLMGEN_CHECK(group >= 1 && pv.size(0) % group == 0, "FakeVlm: {} patch rows do not merge in groups of {}",
+                   pv.size(0), group);
       pv = pv.reshape({pv.size(0) / group, -1});
     } else {
-      VLMGEN_CHECK(pv[0].numel() % options_.tokens_per_image == 0,
+      VLMGEN_CHECK(options_.tokens_per_image > 0 && pv[0].numel() % options_.tokens_per_image == 0,
                    "FakeVlm: {} values per image do not split into {} placeholder tokens", pv[0].numel(),
                    options_.tokens_per_image);
       pv = pv.reshape({pv.size(0) * options_.tokens_per_image, -1});

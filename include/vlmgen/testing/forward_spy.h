@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <exception>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -13,6 +14,13 @@
 #include "vlmgen/model.h"
 
 namespace vlmgen::testing {
+
+/// How a recorded forward call ended.
+enum class CallOutcome {
+  kRunning,   ///< still inside the wrapped forward (seen from an observer of a nested call)
+  kReturned,  ///< the wrapped forward returned logits
+  kThrew,     ///< the wrapped forward threw; `error` holds the message
+};
 
 /// What one forward call received, as ForwardSpy records it.
 struct ForwardCall {
@@ -29,6 +37,8 @@ struct ForwardCall {
   std::optional<std::vector<int64_t>> image_sizes_shape;
   std::optional<std::vector<int64_t>> image_embeddings_shape;
   std::vector<int64_t> images;  ///< indices of the images sent (into the request's bundle)
+  CallOutcome outcome = CallOutcome::kRunning;
+  std::string error;  ///< what() of the exception, when outcome is kThrew
   /// Copies of what was sent (kept only when ForwardSpy::record_tensors is on).
   at::Tensor input_ids;       // [B, S], int64, CPU
   at::Tensor image_grid_thw;  // [n, 3], int64, CPU
@@ -51,11 +61,11 @@ inline std::string format_shape(const std::optional<std::vector<int64_t>>& s) {
 
 /// GoogleTest prints calls with this, so a failed EXPECT_THAT shows what the model got.
 inline void PrintTo(const ForwardCall& c, std::ostream* os) {
-  *os << fmt::format("call {} step {} window [{}, {}) {} pixel_values {} grid {} sizes {} embeddings {} images [{}]",
+  *os << fmt::format("call {} step {} window [{}, {}) {} pixel_values {} grid {} sizes {} embeddings {} images [{}]{}",
                      c.index, c.step, c.window_start, c.window_end, c.had_context ? "kv" : "no-kv",
                      format_shape(c.pixel_values_shape), format_shape(c.image_grid_thw_shape),
                      format_shape(c.image_sizes_shape), format_shape(c.image_embeddings_shape),
-                     fmt::join(c.images, ","));
+                     fmt::join(c.images, ","), c.outcome == CallOutcome::kThrew ? " threw: " + c.error : "");
 }
 
 /// Wraps any CausalVlm and records every forward call: step, window, whether a KV context was
@@ -76,7 +86,7 @@ class ForwardSpy : public CausalVlm {
     record_tensors_ = on;
     return *this;
   }
-  /// Called after every forward call with what was recorded.
+  /// Called after every forward call with what was recorded, also when it threw.
   ForwardSpy& on_call(std::function<void(const ForwardCall&)> observer) {
     observer_ = std::move(observer);
     return *this;
@@ -119,10 +129,26 @@ class ForwardSpy : public CausalVlm {
       call.input_ids = args.input_ids.to(at::kCPU).clone();
       if (args.vision.image_grid_thw.defined()) call.image_grid_thw = args.vision.image_grid_thw.to(at::kCPU).clone();
     }
-    at::Tensor logits = inner_.forward(args);
-    if (record_tensors_) call.logits = logits.detach().to(at::kCPU).clone();
-    calls_.push_back(call);
-    if (observer_) observer_(calls_.back());
+    // Recorded before forwarding: a call that throws is the one a test most wants to see.
+    calls_.push_back(std::move(call));
+    const size_t mine = calls_.size() - 1;
+    at::Tensor logits;
+    try {
+      logits = inner_.forward(args);
+    } catch (const std::exception& e) {
+      calls_[mine].outcome = CallOutcome::kThrew;
+      calls_[mine].error = e.what();
+      if (observer_) observer_(calls_[mine]);
+      throw;
+    } catch (...) {
+      calls_[mine].outcome = CallOutcome::kThrew;
+      calls_[mine].error = "a non-standard exception";
+      if (observer_) observer_(calls_[mine]);
+      throw;
+    }
+    calls_[mine].outcome = CallOutcome::kReturned;
+    if (record_tensors_) calls_[mine].logits = logits.detach().to(at::kCPU).clone();
+    if (observer_) observer_(calls_[mine]);
     return logits;
   }
 

@@ -1,0 +1,239 @@
+// Content hashing, prefill-only calls, the spy on a failing call, NaN logits, the encoder cache
+// sending embeddings only, and windows near the int64 limit.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "test_util.h"
+#include "vlmgen/content_hash.h"
+#include "vlmgen/generator.h"
+#include "vlmgen/testing/fake_vlm.h"
+#include "vlmgen/testing/forward_spy.h"
+
+namespace vlmgen {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::CallOutcome;
+using testing::FakeVlm;
+using testing::FakeVlmOptions;
+using testing::ForwardSpy;
+
+constexpr int64_t kImage = 63;
+
+std::string sha256_hex(const std::string& text) { return to_hex(Sha256().update(text).finish()); }
+
+// The test vectors of FIPS 180-2 (appendix B) and the one-million-'a' message.
+TEST(ContentHash, Sha256MatchesThePublishedTestVectors) {
+  EXPECT_EQ(sha256_hex(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(sha256_hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(sha256_hex("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"),
+            "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  Sha256 million;
+  const std::string chunk(1000, 'a');
+  for (int i = 0; i < 1000; ++i) million.update(chunk);
+  EXPECT_EQ(to_hex(million.finish()), "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+  // Split points must not matter.
+  Sha256 pieces;
+  const std::string text = "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";
+  for (char c : text) pieces.update(&c, 1);
+  EXPECT_EQ(to_hex(pieces.finish()), sha256_hex(text));
+}
+
+TEST(ContentHash, ImageFingerprintsSeeEveryByteShapeAndDtype) {
+  VisionInputs a = test::make_images({{1, 4, 4}, {1, 2, 2}}, 3);
+  const auto base = a.fingerprints();
+  ASSERT_EQ(base.size(), 2u);
+  EXPECT_NE(base[0], base[1]);
+  EXPECT_EQ(a.select({1}).fingerprints()[0], base[1]) << "an image's identity does not depend on its neighbours";
+  // Four pixels edited so that every position-weighted sum modulo 127 or 8191 is unchanged.
+  VisionInputs b = a;
+  b.pixel_values = a.pixel_values.clone();
+  auto flat = b.pixel_values.view({-1});
+  flat[0] += 0.25;
+  flat[1] -= 0.25;
+  flat[127] -= 0.25;
+  flat[128] += 0.25;
+  EXPECT_NE(b.fingerprints()[0], base[0]);
+  EXPECT_EQ(b.fingerprints()[1], base[1]);
+  VisionInputs half = a;
+  half.pixel_values = a.pixel_values.to(at::kDouble);
+  EXPECT_NE(half.fingerprints()[0], base[0]) << "same values, other dtype";
+  VisionInputs resized = a;
+  resized.image_sizes = a.image_sizes + 1;
+  EXPECT_NE(resized.fingerprints()[0], base[0]) << "same pixels, other image size";
+}
+
+TEST(ContentHash, FingerprintsOfABundleWithoutAGridAreAnErrorNotACrash) {
+  VisionInputs v = test::make_images({{1, 4, 4}});
+  v.image_grid_thw = at::Tensor();
+  EXPECT_THROW(v.fingerprints(), Error);
+}
+
+TEST(VisionInputs, MergeSizeZeroIsAnErrorNotADivisionByZero) {
+  VisionInputs v = test::make_images({{1, 4, 4}});
+  EXPECT_THROW(v.placeholder_counts(0), Error);
+  EXPECT_THROW(v.validate(0), Error);
+}
+
+TEST(VisionInputs, PixelChecksCanBeTurnedOffByACallerWhoChecksItself) {
+  FakeVlm model;
+  Generator generator(model);
+  auto prompt = test::prompt_with_image({3, 7}, kImage, 4, {11});
+  VisionInputs vision = test::make_images({{1, 4, 4}});
+  vision.pixel_values[5][5] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_THROW(generator.generate({{prompt}, vision}), Error);
+  // The fake model hashes rounded pixels, so a NaN goes through it; what matters is that the
+  // opt-out lets the call reach the model.
+  EXPECT_NO_THROW(generator.generate({{prompt}, vision}, GenerationConfig().check_pixel_values(false)));
+}
+
+// The prefix-cache report's workflow: compute a system prompt once, then continue from it with
+// several image turns.
+TEST(Prefill, ASystemPromptCachedOnceServesThreeImageTurns) {
+  FakeVlm model;
+  ForwardSpy spy(model);
+  Generator generator(spy);
+  const std::vector<int64_t> system = {1, 2, 3, 4, 5};
+  InferenceContext cached(model.traits().kv_cache, 1, 64);
+  auto out = generator.generate({{system}, {}, &cached}, GenerationConfig().max_new_tokens(0));
+  ASSERT_EQ(spy.calls().size(), 1u) << "max_new_tokens(0) with a context computes the prompt";
+  EXPECT_EQ(spy.calls()[0].window_start, 0);
+  EXPECT_EQ(spy.calls()[0].window_end, 5);
+  EXPECT_TRUE(out.sequences[0].tokens.empty());
+  EXPECT_EQ(out.sequences[0].finish_reason, FinishReason::kLength);
+  ASSERT_EQ(cached.length(), 5);
+
+  for (uint64_t seed : {11u, 12u, 13u}) {
+    auto turn = system;
+    auto image_part = test::prompt_with_image({20}, kImage, 4, {21, static_cast<int64_t>(seed)});
+    turn.insert(turn.end(), image_part.begin(), image_part.end());
+    auto vision = test::make_images({{1, 4, 4}}, seed);
+    InferenceContext context = cached.clone();
+    spy.clear();
+    auto result = generator.generate({{turn}, vision, &context}, GenerationConfig().max_new_tokens(4));
+    ASSERT_EQ(spy.calls().size(), 4u);
+    EXPECT_EQ(spy.calls()[0].window_start, 5) << "the system prompt is not recomputed";
+    EXPECT_EQ(spy.calls()[0].window_end, static_cast<int64_t>(turn.size()));
+    EXPECT_TRUE(spy.calls()[0].has_all_vision()) << "the turn's image is sent";
+    for (size_t i = 1; i < spy.calls().size(); ++i) EXPECT_FALSE(spy.calls()[i].has_any_vision());
+    EXPECT_EQ(cached.length(), 5) << "a clone leaves the shared prefix alone";
+
+    FakeVlm fresh;
+    auto one_shot = Generator(fresh).generate({{turn}, vision}, GenerationConfig().max_new_tokens(4));
+    EXPECT_EQ(result.sequences[0].tokens, one_shot.sequences[0].tokens) << "seed " << seed;
+  }
+}
+
+TEST(Prefill, ChunkSizeNearTheInt64LimitAfterACachedPrefixIsOneWindow) {
+  FakeVlm model;
+  ForwardSpy spy(model);
+  Generator generator(spy);
+  InferenceContext context(model.traits().kv_cache, 1, 64);
+  generator.generate({{{1, 2, 3}}, {}, &context}, GenerationConfig().max_new_tokens(0));
+  spy.clear();
+  auto prompt = test::prompt_with_image({1, 2, 3, 9}, kImage, 4, {10});
+  auto vision = test::make_images({{1, 4, 4}});
+  auto out = generator.generate(
+      {{prompt}, vision, &context},
+      GenerationConfig().max_new_tokens(3).prefill_chunk_size(std::numeric_limits<int64_t>::max() - 1));
+  ASSERT_GE(spy.calls().size(), 1u);
+  EXPECT_EQ(spy.calls()[0].window_start, 3);
+  EXPECT_EQ(spy.calls()[0].window_end, static_cast<int64_t>(prompt.size()));
+  FakeVlm fresh;
+  EXPECT_EQ(out.sequences[0].tokens,
+            Generator(fresh).generate({{prompt}, vision}, GenerationConfig().max_new_tokens(3)).sequences[0].tokens);
+}
+
+/// A model that throws on its n-th forward call.
+class ThrowingVlm : public FakeVlm {
+ public:
+  explicit ThrowingVlm(int64_t throw_at) : throw_at_(throw_at) {}
+  at::Tensor forward(const ForwardArgs& args) override {
+    if (calls_++ == throw_at_) VLMGEN_FAIL("planted failure at call {}", throw_at_);
+    return FakeVlm::forward(args);
+  }
+
+ private:
+  int64_t throw_at_;
+  int64_t calls_ = 0;
+};
+
+TEST(ForwardSpy, RecordsTheCallThatThrowsAndHowEachCallEnded) {
+  ThrowingVlm model(2);
+  ForwardSpy spy(model);
+  std::vector<CallOutcome> seen;
+  spy.on_call([&](const testing::ForwardCall& c) { seen.push_back(c.outcome); });
+  auto prompt = test::prompt_with_image({3}, kImage, 4, {11});
+  EXPECT_THROW(Generator(spy).generate({{prompt}, test::make_images({{1, 4, 4}})},
+                                       GenerationConfig().max_new_tokens(5).enable_kv_cache(false)),
+               Error);
+  ASSERT_EQ(spy.calls().size(), 3u) << "the failing call is recorded too";
+  EXPECT_EQ(spy.calls()[0].outcome, CallOutcome::kReturned);
+  EXPECT_EQ(spy.calls()[1].outcome, CallOutcome::kReturned);
+  const auto& failed = spy.calls()[2];
+  EXPECT_EQ(failed.outcome, CallOutcome::kThrew);
+  EXPECT_THAT(failed.error, HasSubstr("planted failure at call 2"));
+  EXPECT_EQ(failed.step, 2);
+  EXPECT_TRUE(failed.has_all_vision()) << "what the failing call received is there to inspect";
+  EXPECT_EQ(seen, (std::vector<CallOutcome>{CallOutcome::kReturned, CallOutcome::kReturned, CallOutcome::kThrew}));
+}
+
+/// A model whose logits turn NaN from its n-th call on.
+class NanVlm : public FakeVlm {
+ public:
+  explicit NanVlm(int64_t from) : from_(from) {}
+  at::Tensor forward(const ForwardArgs& args) override {
+    at::Tensor logits = FakeVlm::forward(args);
+    if (calls_++ >= from_) logits.fill_(std::numeric_limits<float>::quiet_NaN());
+    return logits;
+  }
+
+ private:
+  int64_t from_;
+  int64_t calls_ = 0;
+};
+
+TEST(Sampling, NanLogitsAreAnErrorNotAToken) {
+  for (double temperature : {0.0, 0.8}) {
+    NanVlm model(1);
+    Generator generator(model);
+    InferenceContext context(model.traits().kv_cache, 1, 32);
+    try {
+      generator.generate({{{1, 2, 3}}, {}, &context},
+                         GenerationConfig().max_new_tokens(4).temperature(temperature).seed(3));
+      ADD_FAILURE() << "expected vlmgen::Error at temperature " << temperature;
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), HasSubstr("the model's logits for row 0 hold NaN"));
+    }
+    EXPECT_EQ(context.length(), 0) << "the failed call's columns are rolled back";
+  }
+  Sampler sampler(SamplingOptions{}, 2);
+  at::Tensor logits = at::zeros({2, 8});
+  logits[1][3] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_THROW(sampler.choose(logits, {true, true}), Error);
+  EXPECT_EQ(sampler.choose(logits, {true, false})[0], 0) << "a finished row's logits are not read";
+}
+
+TEST(EncoderCache, CallsGetTheEmbeddingsAndNotThePixels) {
+  FakeVlmOptions opts;
+  opts.can_encode_images = true;
+  FakeVlm model(opts);
+  ForwardSpy spy(model);
+  auto prompt = test::prompt_with_image({1}, kImage, 4, {2});
+  auto vision = test::make_images({{1, 4, 4}});
+  Generator(spy).generate({{prompt}, vision}, GenerationConfig().max_new_tokens(3).enable_kv_cache(false));
+  ASSERT_EQ(spy.calls().size(), 3u);
+  for (const auto& c : spy.calls()) {
+    EXPECT_TRUE(c.image_embeddings_shape.has_value());
+    EXPECT_FALSE(c.has_pixel_values()) << "the embeddings are authoritative; pixels stay behind";
+    EXPECT_TRUE(c.image_grid_thw_shape.has_value()) << "the grid (small) still says which images they are";
+  }
+}
+
+}  // namespace
+}  // namespace vlmgen
