@@ -23,6 +23,7 @@
 #include "vlmgen/replay_policy.h"
 #include "vlmgen/sampling.h"
 #include "vlmgen/step/rank_agreement.h"
+#include "vlmgen/step/scores.h"
 #include "vlmgen/vision_inputs.h"
 
 namespace vlmgen {
@@ -123,6 +124,16 @@ class GenerationConfig {
   /// reduction over the pixels per call). Turn off only when the caller checks itself.
   /// Default true.
   VLMGEN_OPTION(bool, check_pixel_values, true)
+  /// Return, per row, log P(prompt token i | tokens before it) for every prompt token
+  /// (SequenceOutput::prompt_logprobs). The prefill then computes every column's logits. With
+  /// max_new_tokens(0) the prompt is still computed, so a harness can score prompts. Default false.
+  VLMGEN_OPTION(bool, prompt_logprobs, false)
+  /// Return the k most likely (id, log-probability) pairs of every generated step (0 = off).
+  /// Default 0.
+  VLMGEN_OPTION(int64_t, top_logprobs, 0)
+  /// Return the logits every generated token was chosen from, [tokens, vocab_size], gathered
+  /// over the tensor-parallel group for vocab-parallel models. Default false.
+  VLMGEN_OPTION(bool, return_logits, false)
 
  public:
   /// Most columns a row may reach (left-padded prompt + max_new_tokens) when the model sets no
@@ -166,8 +177,8 @@ struct GenerateRequest {
   const std::atomic<bool>* cancel = nullptr;
 };
 
-/// One row's output.
-struct SequenceOutput {
+/// One row's output (with the scores of RowScores when asked for).
+struct SequenceOutput : RowScores {
   std::vector<int64_t> tokens;  ///< new tokens only, including the end/stop token if any
   FinishReason finish_reason = FinishReason::kNotFinished;
   std::vector<float> logprobs;  ///< per token, when return_logprobs is on
@@ -245,6 +256,8 @@ inline void validate_request(const GenerateRequest& request, const GenerationCon
   VLMGEN_CHECK(config.prefill_chunk_size() >= 0, "prefill_chunk_size must be >= 0 (0 = whole prompt), got {}",
                config.prefill_chunk_size());
   config.sampling().validate(static_cast<int64_t>(request.prompts.size()));
+  VLMGEN_CHECK(config.top_logprobs() >= 0 && config.top_logprobs() <= traits.vocab_size,
+               "top_logprobs must be in [0, {}] (the vocabulary), got {}", traits.vocab_size, config.top_logprobs());
   auto check_id = [&](int64_t id, const char* what) {
     VLMGEN_CHECK(id >= 0 && id < traits.vocab_size, "{} {} is outside the vocabulary [0, {})", what, id,
                  traits.vocab_size);
@@ -330,7 +343,8 @@ inline ContentHash request_digest(const GenerateRequest& request, const Generati
   for (int64_t v : {c.max_new_tokens(), c.pad_token_id(), c.top_k(), c.prefill_chunk_size(),
                     static_cast<int64_t>(c.replay_mode()), int64_t{c.enable_kv_cache()}, int64_t{c.return_logprobs()},
                     int64_t{c.encoder_cache()}, int64_t{c.allow_placeholder_tokens()}, int64_t{c.full_logits()},
-                    int64_t{c.check_pixel_values()}, static_cast<int64_t>(c.seed())}) {
+                    int64_t{c.check_pixel_values()}, static_cast<int64_t>(c.seed()), int64_t{c.prompt_logprobs()},
+                    c.top_logprobs(), int64_t{c.return_logits()}}) {
     sha.update_int(v);
   }
   for (double v : {c.temperature(), c.top_p()}) sha.update(&v, sizeof v);
@@ -511,6 +525,8 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
   const bool vocab_parallel = traits.vocab_parallel_logits && parallel_.tp_size() > 1;
   GenerationResult result;
   result.sequences.resize(static_cast<size_t>(batch));
+  detail::ScoreRecorder scores(config.prompt_logprobs(), config.top_logprobs(), config.return_logits(),
+                               traits.vocab_size, vocab_parallel ? parallel_.tp_group().get() : nullptr);
   result.stats.used_kv_cache = kv.use_kv_cache;
   result.stats.prompt_columns = prompt_len;
 
@@ -532,7 +548,7 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
     args.context = context;
     args.window_start = start;
     args.step = step;
-    args.last_column_logits = !config.full_logits();
+    args.last_column_logits = !config.full_logits() && !(step == 0 && scores.wants_prompt_columns());
     if (!images.empty()) {
       if (images != last_images) {
         last_images = images;
@@ -603,6 +619,7 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
       }
     }
     ++result.stats.forward_calls;
+    if (step == 0) scores.record_prompt(logits, start, end, prompt_len, tokens, mask, pads, result.sequences);
     at::Tensor last_column = logits.select(1, logits.size(1) - 1);
     return vocab_parallel ? last_column : last_column.narrow(-1, 0, traits.vocab_size);
   };
@@ -636,9 +653,12 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
 
   if (max_new == 0) {
     for (auto& s : result.sequences) s.finish_reason = FinishReason::kLength;
-    // Prefill only: a caller's context gets the prompt, to continue from later.
-    if (request.context != nullptr && context != nullptr && !cancelled() && !prefill(prompt_len).defined()) {
-      cancel_all();
+    // Prefill only: a caller's context gets the prompt, to continue from later, or the prompt
+    // is scored.
+    const bool wanted = (request.context != nullptr && context != nullptr) || config.prompt_logprobs();
+    if (wanted && !cancelled()) {
+      const at::Tensor last = context != nullptr ? prefill(prompt_len) : run_window(0, prompt_len, 0);
+      if (!last.defined()) cancel_all();
     }
   } else if (cancelled()) {
     cancel_all();
@@ -670,6 +690,7 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
                              active, want_logprobs)
                        : sampler.choose(last, active, want_logprobs);
     if (!t_first) t_first = detail::Clock::now();
+    scores.record_step(last, active, result.sequences);
     for (int64_t b = 0; b < batch; ++b) {
       if (!active[b]) continue;
       const int64_t token = chosen[b];
@@ -703,6 +724,7 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
     if (!on_host) tokens_dev.select(1, end).copy_(tokens.select(1, end));
   }
 
+  scores.finish(result.sequences);
   const auto t_end = detail::Clock::now();
   result.stats.total_s = detail::seconds_between(t_start, t_end);
   if (t_first) {

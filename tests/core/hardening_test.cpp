@@ -237,3 +237,68 @@ TEST(EncoderCache, CallsGetTheEmbeddingsAndNotThePixels) {
 
 }  // namespace
 }  // namespace vlmgen
+
+namespace vlmgen {
+namespace {
+
+// log_softmax of the model's own logits over a full, uncached forward of `row`.
+at::Tensor reference_logprobs(testing::FakeVlm& model, const std::vector<int64_t>& row) {
+  const int64_t n = static_cast<int64_t>(row.size());
+  ForwardArgs args;
+  args.input_ids = at::tensor(row, at::kLong).unsqueeze(0);
+  args.position_ids = at::arange(n, at::kLong).unsqueeze(0);
+  args.attention_mask = at::ones({1, n}, at::kLong);
+  return at::log_softmax(model.forward(args)[0], -1);  // [n, V]
+}
+
+TEST(Scores, PromptLogprobsAreTheModelsOwnLogSoftmaxWithCacheChunksAndPadding) {
+  const std::vector<std::vector<int64_t>> prompts = {{5, 9, 2, 7, 7, 1, 30}, {4, 8, 15}};
+  testing::FakeVlm model;
+  for (auto config : {GenerationConfig().max_new_tokens(2).enable_kv_cache(false),
+                      GenerationConfig().max_new_tokens(2).prefill_chunk_size(3),
+                      GenerationConfig().max_new_tokens(0)}) {
+    auto out = Generator(model).generate({prompts}, config.prompt_logprobs(true));
+    for (size_t r = 0; r < prompts.size(); ++r) {
+      const auto& got = out.sequences[r].prompt_logprobs;
+      ASSERT_EQ(got.size(), prompts[r].size());
+      EXPECT_TRUE(std::isnan(got[0])) << "the first token has no prefix";
+      at::Tensor ref = reference_logprobs(model, prompts[r]);
+      for (size_t i = 1; i < got.size(); ++i) {
+        EXPECT_NEAR(got[i], ref[static_cast<int64_t>(i) - 1][prompts[r][i]].item<float>(), 1e-5)
+            << "row " << r << " token " << i;
+      }
+    }
+  }
+}
+
+TEST(Scores, TopLogprobsAndLogitsAreThoseEachTokenWasChosenFrom) {
+  testing::FakeVlm model;
+  ForwardSpy spy(model);
+  spy.record_tensors(true);
+  auto out = Generator(spy).generate(
+      {{{5, 9, 2, 7}}}, GenerationConfig().max_new_tokens(4).top_logprobs(3).return_logits(true).return_logprobs(true));
+  const auto& seq = out.sequences[0];
+  ASSERT_EQ(seq.top_logprobs.size(), 4u);
+  ASSERT_EQ(seq.logits.sizes(), (at::IntArrayRef{4, 64}));
+  for (size_t step = 0; step < 4; ++step) {
+    at::Tensor last = spy.calls()[step].logits.select(1, -1)[0];
+    EXPECT_TRUE(at::equal(seq.logits[static_cast<int64_t>(step)], last)) << "step " << step;
+    auto [values, ids] = at::log_softmax(last, -1).topk(3);
+    ASSERT_EQ(seq.top_logprobs[step].size(), 3u);
+    for (int64_t j = 0; j < 3; ++j) {
+      EXPECT_EQ(seq.top_logprobs[step][j].first, ids[j].item<int64_t>());
+      EXPECT_NEAR(seq.top_logprobs[step][j].second, values[j].item<float>(), 1e-6);
+    }
+    EXPECT_EQ(seq.top_logprobs[step][0].first, seq.tokens[step]) << "greedy picks the most likely";
+    EXPECT_NEAR(seq.top_logprobs[step][0].second, seq.logprobs[step], 1e-6);
+  }
+}
+
+TEST(Scores, TopLogprobsBeyondTheVocabularyIsRefused) {
+  testing::FakeVlm model;
+  EXPECT_THROW(Generator(model).generate({{{1, 2}}}, GenerationConfig().top_logprobs(65)), Error);
+  EXPECT_THROW(Generator(model).generate({{{1, 2}}}, GenerationConfig().top_logprobs(-1)), Error);
+}
+
+}  // namespace
+}  // namespace vlmgen

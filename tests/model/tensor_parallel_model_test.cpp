@@ -424,6 +424,48 @@ TEST(DISABLED_TpModelWorker, NoCacheFallbackUnderSpReplaysVisionEveryStep) {
   EXPECT_THAT(warnings[0], AllOf(HasSubstr("sequence parallelism"), HasSubstr("replayed at every step")));
 }
 
+// Prompt log-probabilities, top-k log-probabilities and returned logits come from the whole
+// vocabulary under TP=2 (gathered from the ranks' blocks) and equal TP=1's.
+TEST(DISABLED_TpModelWorker, ScoresEqualTp1) {
+  SKIP_UNLESS_WORKER();
+  const ParallelContext& par = worker_context();
+  const QwenVlConfig config = test_config();
+  Qwen2Vl reference(config, 13);
+  Qwen2Vl model(config, 13, 0.02, par);
+  const GenerateRequest request = image_request(config);
+  for (bool kv : {true, false}) {
+    const auto gen_config = GenerationConfig().max_new_tokens(4).enable_kv_cache(kv).prompt_logprobs(true)
+                                .top_logprobs(5).return_logits(true).prefill_chunk_size(kv ? 7 : 0);
+    auto tp1 = Generator(reference).generate(request, gen_config);
+    auto tp2 = Generator(model, par).generate(request, gen_config);
+    for (size_t r = 0; r < tp1.sequences.size(); ++r) {
+      const auto& a = tp1.sequences[r];
+      const auto& b = tp2.sequences[r];
+      ASSERT_EQ(a.tokens, b.tokens);
+      ASSERT_EQ(a.prompt_logprobs.size(), request.prompts[r].size());
+      ASSERT_EQ(b.prompt_logprobs.size(), a.prompt_logprobs.size());
+      EXPECT_TRUE(std::isnan(b.prompt_logprobs[0]));
+      for (size_t i = 1; i < a.prompt_logprobs.size(); ++i) {
+        EXPECT_NEAR(b.prompt_logprobs[i], a.prompt_logprobs[i], kTpTolerance) << "row " << r << " token " << i;
+        EXPECT_LT(a.prompt_logprobs[i], 0.0f);
+      }
+      ASSERT_EQ(b.top_logprobs.size(), a.top_logprobs.size());
+      for (size_t s = 0; s < a.top_logprobs.size(); ++s) {
+        ASSERT_EQ(b.top_logprobs[s].size(), 5u);
+        EXPECT_EQ(b.top_logprobs[s][0].first, a.top_logprobs[s][0].first);
+        for (size_t j = 0; j < 5; ++j) EXPECT_NEAR(b.top_logprobs[s][j].second, a.top_logprobs[s][j].second, kTpTolerance);
+      }
+      ASSERT_EQ(b.logits.sizes(), (at::IntArrayRef{4, config.vocab_size})) << "gathered to the whole vocabulary";
+      EXPECT_LE((b.logits - a.logits).abs().max().item<double>(), kTpTolerance);
+      // And TP=1's numbers are the log-softmax of the logits the tokens were chosen from.
+      at::Tensor lp = at::log_softmax(a.logits, -1);
+      for (size_t s = 0; s < a.tokens.size(); ++s) {
+        EXPECT_NEAR(a.top_logprobs[s][0].second, lp[static_cast<int64_t>(s)].max().item<float>(), 1e-6);
+      }
+    }
+  }
+}
+
 TEST(DISABLED_TpModelWorker, SeededSamplingEqualsTp1) {
   SKIP_UNLESS_WORKER();
   const ParallelContext& par = worker_context();
@@ -572,6 +614,10 @@ std::vector<std::pair<std::string, std::string>> two_rank_env(
 
 TEST(TensorParallelModel, GreedyTp2EqualsTp1WithAndWithoutKvCache) {
   EXPECT_EQ(run_workers(2, "DISABLED_TpModelWorker.GreedyWithImageEqualsTp1WithAndWithoutKvCache", two_rank_env()), 0);
+}
+
+TEST(TensorParallelModel, ScoresTp2EqualTp1) {
+  EXPECT_EQ(run_workers(2, "DISABLED_TpModelWorker.ScoresEqualTp1", two_rank_env()), 0);
 }
 
 TEST(TensorParallelModel, RanksGivenDifferentRequestsAllRaise) {
