@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -18,7 +19,8 @@ namespace detail {
 struct LogState {
   std::mutex mutex;
   LogSink sink;
-  LogLevel min_level = LogLevel::kInfo;
+  // Read without the lock by log(), so a dropped message costs one load, not a format.
+  std::atomic<int> min_level{static_cast<int>(LogLevel::kInfo)};
 };
 inline LogState& log_state() {
   static LogState state;
@@ -45,9 +47,12 @@ inline LogSink set_log_sink(LogSink sink) {
 
 /// Messages below `level` are dropped. Default: kInfo.
 inline void set_log_level(LogLevel level) {
-  auto& state = detail::log_state();
-  std::lock_guard<std::mutex> lock(state.mutex);
-  state.min_level = level;
+  detail::log_state().min_level.store(static_cast<int>(level), std::memory_order_relaxed);
+}
+
+/// True when a message of `level` would reach the sink.
+inline bool log_enabled(LogLevel level) {
+  return static_cast<int>(level) >= detail::log_state().min_level.load(std::memory_order_relaxed);
 }
 
 /// Sends `message` to the sink. The sink runs outside vlmgen's lock (so it may log itself) and
@@ -56,8 +61,8 @@ inline void log_message(LogLevel level, const std::string& message) {
   auto& state = detail::log_state();
   LogSink sink;
   {
+    if (!log_enabled(level)) return;
     std::lock_guard<std::mutex> lock(state.mutex);
-    if (level < state.min_level) return;
     sink = state.sink;
   }
   if (sink) {
@@ -67,9 +72,12 @@ inline void log_message(LogLevel level, const std::string& message) {
   }
 }
 
+/// Formats and logs; the level is checked first, so a dropped message is never formatted. The
+/// format string is checked against the arguments at compile time.
 template <typename... Args>
-void log(LogLevel level, fmt::string_view format, Args&&... args) {
-  log_message(level, fmt::vformat(format, fmt::make_format_args(args...)));
+void log(LogLevel level, fmt::format_string<Args...> format, Args&&... args) {
+  if (!log_enabled(level)) return;
+  log_message(level, fmt::format(format, std::forward<Args>(args)...));
 }
 
 }  // namespace vlmgen

@@ -11,6 +11,7 @@
 #include "test_util.h"
 #include "vlmgen/content_hash.h"
 #include "vlmgen/generator.h"
+#include "vlmgen/logging.h"
 #include "vlmgen/testing/fake_vlm.h"
 #include "vlmgen/testing/forward_spy.h"
 
@@ -298,6 +299,42 @@ TEST(Scores, TopLogprobsBeyondTheVocabularyIsRefused) {
   testing::FakeVlm model;
   EXPECT_THROW(Generator(model).generate({{{1, 2}}}, GenerationConfig().top_logprobs(65)), Error);
   EXPECT_THROW(Generator(model).generate({{{1, 2}}}, GenerationConfig().top_logprobs(-1)), Error);
+}
+
+}  // namespace
+}  // namespace vlmgen
+
+namespace {
+// Counts how often {fmt} formats it.
+struct Counted {
+  int* formatted;
+};
+}  // namespace
+
+template <>
+struct fmt::formatter<Counted> : fmt::formatter<int> {
+  auto format(const Counted& c, fmt::format_context& ctx) const -> decltype(ctx.out()) {
+    ++*c.formatted;
+    return fmt::formatter<int>::format(*c.formatted, ctx);
+  }
+};
+
+namespace vlmgen {
+namespace {
+
+TEST(Logging, ADroppedMessageIsNeverFormatted) {
+  int formatted = 0;
+  std::vector<std::string> seen;
+  LogSink previous = set_log_sink([&](LogLevel, const std::string& m) { seen.push_back(m); });
+  set_log_level(LogLevel::kWarning);
+  log(LogLevel::kInfo, "dropped {}", Counted{&formatted});
+  EXPECT_EQ(formatted, 0);
+  EXPECT_TRUE(seen.empty());
+  log(LogLevel::kError, "kept {}", Counted{&formatted});
+  EXPECT_EQ(formatted, 1);
+  EXPECT_EQ(seen, (std::vector<std::string>{"kept 1"}));
+  set_log_level(LogLevel::kInfo);
+  set_log_sink(previous);
 }
 
 }  // namespace
