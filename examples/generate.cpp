@@ -30,6 +30,7 @@
 #include "vlmgen/distributed/launch.h"
 #include "vlmgen/error.h"
 #include "vlmgen/generator.h"
+#include "vlmgen/image/preprocessor_config.h"
 #include "vlmgen/image/qwen_image_processor.h"
 #include "vlmgen/models/qwen2_vl.h"
 
@@ -78,7 +79,7 @@ int main(int argc, char** argv) {
   CLI::App app("Generate with a Qwen2-VL checkpoint, streaming tokens");
   std::string checkpoint, prompt_text, replay = "span-aware";
   std::vector<std::string> image_paths;
-  int64_t max_new_tokens = 16, max_pixels = 128 * 128;
+  int64_t max_new_tokens = 16, max_pixels = 0, min_pixels = 0;
   bool no_kv_cache = false;
   double temperature = 0.0;
   uint64_t seed = 0;
@@ -86,7 +87,10 @@ int main(int argc, char** argv) {
   app.add_option("--prompt", prompt_text, "token ids separated by spaces; <image> marks an image")->required();
   app.add_option("--image", image_paths, "PNG/JPEG file for each <image>, in order");
   app.add_option("--max-new-tokens", max_new_tokens, "new tokens at most")->capture_default_str();
-  app.add_option("--max-pixels", max_pixels, "resize images to at most this many pixels")->capture_default_str();
+  app.add_option("--max-pixels", max_pixels,
+                 "resize images to at most this many pixels (default: the checkpoint's preprocessor_config.json)");
+  app.add_option("--min-pixels", min_pixels,
+                 "resize images to at least this many pixels (default: the checkpoint's preprocessor_config.json)");
   app.add_flag("--no-kv-cache", no_kv_cache, "recompute the whole prefix at every step");
   app.add_option("--replay", replay, "which calls get the images")
       ->check(CLI::IsMember({"span-aware", "always", "step-zero"}))
@@ -133,12 +137,19 @@ int main(int argc, char** argv) {
     const auto& config = model->config();
     std::vector<vlmgen::Image> images;
     for (const auto& path : image_paths) images.push_back(vlmgen::load_image(path));
-    auto options = vlmgen::QwenImageProcessorOptions()
-                       .patch_size(config.vision.patch_size)
-                       .temporal_patch_size(config.vision.temporal_patch_size)
-                       .merge_size(config.vision.spatial_merge_size)
-                       .min_pixels(std::min<int64_t>(max_pixels, 56 * 56))
-                       .max_pixels(max_pixels);
+    // The folder's own preprocessing, so the model sees what it would under HF; flags override
+    // and say so.
+    std::string source;
+    auto options = vlmgen::checkpoint_image_processor(checkpoint, config, &source);
+    if (lead && !image_paths.empty()) fmt::print(stderr, "images preprocessed with {}\n", source);
+    if (max_pixels > 0) {
+      if (lead) fmt::print(stderr, "--max-pixels {} overrides max_pixels {}\n", max_pixels, options.max_pixels());
+      options.max_pixels(max_pixels);
+    }
+    if (min_pixels > 0) {
+      if (lead) fmt::print(stderr, "--min-pixels {} overrides min_pixels {}\n", min_pixels, options.min_pixels());
+      options.min_pixels(min_pixels);
+    }
     vlmgen::VisionInputs vision = images.empty() ? vlmgen::VisionInputs() : vlmgen::preprocess(images, options);
     std::vector<int64_t> counts = model->placeholder_counts(vision);
     std::vector<int64_t> prompt = build_prompt(prompt_text, config, counts);

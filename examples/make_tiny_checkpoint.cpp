@@ -9,10 +9,11 @@
 #include <string>
 
 #include "vlmgen/error.h"
+#include "vlmgen/image/preprocessor_config.h"
 #include "vlmgen/models/qwen2_vl.h"
 
 int main(int argc, char** argv) {
-  CLI::App app("Write a random tiny Qwen2-VL checkpoint (config.json + model.safetensors)");
+  CLI::App app("Write a random tiny Qwen2-VL checkpoint (config.json, model.safetensors, preprocessor_config.json)");
   std::string out;
   uint64_t seed = 0;
   bool tied = false;
@@ -25,6 +26,16 @@ int main(int argc, char** argv) {
     config.tie_word_embeddings = tied;
     vlmgen::Qwen2Vl model(config, seed);
     model.save_checkpoint(out);
+    // A complete HF-style folder: the image preprocessing travels with the weights. Up to 64
+    // merged tokens per image keeps the tiny model fast.
+    const auto& v = config.vision;
+    const int64_t factor = v.patch_size * v.spatial_merge_size;
+    vlmgen::save_preprocessor_config(out, vlmgen::QwenImageProcessorOptions()
+                                              .patch_size(v.patch_size)
+                                              .temporal_patch_size(v.temporal_patch_size)
+                                              .merge_size(v.spatial_merge_size)
+                                              .min_pixels(factor * factor)
+                                              .max_pixels(64 * factor * factor));
     int64_t params = 0;
     for (const auto& [name, tensor] : model.named_weights()) params += tensor->numel();
     fmt::print("wrote {} ({} parameters, hidden {}, {} layers, vocab {}, image token {})\n", out, params,

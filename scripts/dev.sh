@@ -4,15 +4,20 @@
 #
 #   bash scripts/dev.sh demo [IMAGE...]   # install + build + run the main example (vlmgen-demo)
 #   bash scripts/dev.sh test     # install + build + run every test (ctest)
+#   bash scripts/dev.sh sanitize # clang + AddressSanitizer/UBSan build of the core and model tests
+#                                # and the fuzz targets (build-asan); runs the tests, then each
+#                                # fuzzer for FUZZ_SECONDS on its seed corpus (fuzz/README.md)
 #
-# Environment: BUILD_DIR (default: build), BUILD_TYPE (default: Release), JOBS (default: nproc).
+# Environment: BUILD_DIR (default: build), BUILD_TYPE (default: Release), JOBS (default: nproc);
+# for sanitize: ASAN_BUILD_DIR (default: build-asan), FUZZ_SECONDS (default: 30),
+# ASAN_MODEL_TEST_FILTER (gtest filter for the model tests, default: all of them).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 what="${1:-}"
 case "$what" in
-  demo|test) ;;
-  *) echo "usage: bash scripts/dev.sh demo|test" >&2; exit 2 ;;
+  demo|test|sanitize) ;;
+  *) echo "usage: bash scripts/dev.sh demo|test|sanitize" >&2; exit 2 ;;
 esac
 
 build_dir="${BUILD_DIR:-build}"
@@ -22,6 +27,8 @@ jobs="${JOBS:-$(nproc)}"
 # libopenblas0-pthread: without it LibTorch's CPU matrix products run tens of times slower.
 packages=(cmake ninja-build g++ ccache pkg-config libtorch-dev libfmt-dev libgtest-dev libgmock-dev
           libopenblas0-pthread nlohmann-json3-dev libstb-dev libcli11-dev libbenchmark-dev libgloo-dev)
+# The sanitizer build: clang, and compiler-rt's ASan/UBSan runtimes and libFuzzer.
+if [ "$what" = sanitize ]; then packages+=(clang libclang-rt-14-dev); fi
 missing=()
 for p in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
@@ -34,6 +41,10 @@ if ((${#missing[@]})); then
   if [ "$(id -u)" != 0 ]; then sudo_cmd=(sudo); fi
   "${sudo_cmd[@]}" apt-get update -qq
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+if [ "$what" = sanitize ]; then
+  exec bash scripts/sanitize.sh
 fi
 
 echo "[dev.sh] configuring $build_dir ($build_type)"

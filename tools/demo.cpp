@@ -27,8 +27,8 @@
 #include "vlmgen/error.h"
 #include "vlmgen/generator.h"
 #include "vlmgen/image/qwen_image_processor.h"
-#include "vlmgen/shapes/shapes_data.h"
-#include "vlmgen/shapes/shapes_model.h"
+#include "shapes/shapes_data.h"
+#include "shapes/shapes_model.h"
 
 #ifndef VLMGEN_SOURCE_DIR
 #define VLMGEN_SOURCE_DIR "."

@@ -29,9 +29,9 @@
 #include "vlmgen/error.h"
 #include "vlmgen/generator.h"
 #include "vlmgen/models/qwen2_vl.h"
-#include "vlmgen/shapes/shapes_data.h"
-#include "vlmgen/shapes/shapes_model.h"
-#include "vlmgen/shapes/word_tokenizer.h"
+#include "shapes/shapes_data.h"
+#include "shapes/shapes_model.h"
+#include "shapes/word_tokenizer.h"
 
 namespace {
 

@@ -3,36 +3,10 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
-#include <cstdio>
-#include <cstring>
 #include <limits>
-#include <memory>
 
 #include "vlmgen/error.h"
-
-// The stb implementations live in this one translation unit. STATIC keeps their symbols out of
-// libvlmgen's exports, so a program that links its own copy of stb does not clash with ours.
-// Only the PNG and JPEG decoders are compiled: less code that parses untrusted bytes.
-#define STB_IMAGE_IMPLEMENTATION
-#define STB_IMAGE_STATIC
-#define STBI_ONLY_PNG
-#define STBI_ONLY_JPEG
-#define STB_IMAGE_WRITE_IMPLEMENTATION
-#define STB_IMAGE_WRITE_STATIC
-#if defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-function"
-#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
-#pragma GCC diagnostic ignored "-Wsign-compare"
-#pragma GCC diagnostic ignored "-Wimplicit-fallthrough"
-#endif
-#include "stb_image.h"
-#include "stb_image_write.h"
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
 
 namespace vlmgen {
 namespace detail {
@@ -168,38 +142,8 @@ Image resample_vertical(const Image& in, int out_height) {
   return out;
 }
 
-struct FileCloser {
-  void operator()(FILE* f) const { std::fclose(f); }
-};
-
 }  // namespace
 }  // namespace detail
-
-Image load_image(const std::string& path) {
-  std::unique_ptr<FILE, detail::FileCloser> file(std::fopen(path.c_str(), "rb"));
-  VLMGEN_CHECK(file != nullptr, "cannot open image file '{}': {}", path, std::strerror(errno));
-  int width = 0;
-  int height = 0;
-  int channels_in_file = 0;
-  // Asking stb for 3 channels makes it expand grayscale and drop alpha for us.
-  std::unique_ptr<stbi_uc, void (*)(void*)> pixels(
-      stbi_load_from_file(file.get(), &width, &height, &channels_in_file, detail::kChannels), stbi_image_free);
-  VLMGEN_CHECK(pixels != nullptr, "cannot decode '{}' as a PNG or JPEG image: {}", path, stbi_failure_reason());
-  VLMGEN_CHECK(width > 0 && height > 0, "image '{}' has no pixels: {}x{} (height x width)", path, height, width);
-  Image image;
-  image.height = height;
-  image.width = width;
-  image.rgb.assign(pixels.get(), pixels.get() + static_cast<size_t>(height) * width * detail::kChannels);
-  return image;
-}
-
-void save_png(const std::string& path, const Image& image) {
-  detail::check_image(image, fmt::format("save_png('{}')", path));
-  const int width = static_cast<int>(image.width);
-  const int ok = stbi_write_png(path.c_str(), width, static_cast<int>(image.height), detail::kChannels,
-                                image.rgb.data(), width * detail::kChannels);
-  VLMGEN_CHECK(ok != 0, "cannot write PNG file '{}' ({}x{}, height x width)", path, image.height, image.width);
-}
 
 Image resize_bicubic(const Image& image, int64_t height, int64_t width) {
   detail::check_image(image, "resize_bicubic");
@@ -215,13 +159,22 @@ Image resize_bicubic(const Image& image, int64_t height, int64_t width) {
 
 std::pair<int64_t, int64_t> smart_resize(int64_t height, int64_t width, int64_t factor, int64_t min_pixels,
                                          int64_t max_pixels) {
-  VLMGEN_CHECK(factor >= 1, "smart_resize: factor must be >= 1, got {}", factor);
+  using Limits = QwenImageProcessorLimits;
+  // Bounded first, so that none of the products and float conversions below can overflow.
+  VLMGEN_CHECK(factor >= 1 && factor <= Limits::kMaxFactor, "smart_resize: factor must be in [1, {}], got {}",
+               Limits::kMaxFactor, factor);
   VLMGEN_CHECK(min_pixels >= 1 && min_pixels <= max_pixels,
                "smart_resize: need 1 <= min_pixels <= max_pixels, got min_pixels {} and max_pixels {}", min_pixels,
                max_pixels);
-  VLMGEN_CHECK(height >= factor && width >= factor,
-               "smart_resize: height {} and width {} must both be at least factor {} (patch_size * merge_size)", height,
-               width, factor);
+  VLMGEN_CHECK(max_pixels <= Limits::kMaxPixels, "smart_resize: max_pixels {} is above the limit of {}", max_pixels,
+               Limits::kMaxPixels);
+  VLMGEN_CHECK(height <= Limits::kMaxSide && width <= Limits::kMaxSide,
+               "smart_resize: a {}x{} (height x width) image has a side above the limit of {}", height, width,
+               Limits::kMaxSide);
+  // Sides below `factor` are taken, as HF's processor takes them today: they round to 0, and
+  // the enlarge branch below brings the area up to min_pixels (older HF versions refused them).
+  VLMGEN_CHECK(height >= 1 && width >= 1, "smart_resize: height {} and width {} must both be positive", height,
+               width);
   const double ratio = static_cast<double>(std::max(height, width)) / static_cast<double>(std::min(height, width));
   VLMGEN_CHECK(ratio <= 200.0, "smart_resize: the aspect ratio of a {}x{} (height x width) image is {:.1f}, above 200",
                height, width, ratio);
@@ -241,10 +194,19 @@ std::pair<int64_t, int64_t> smart_resize(int64_t height, int64_t width, int64_t 
 }
 
 void QwenImageProcessorOptions::validate() const {
-  VLMGEN_CHECK(patch_size_ >= 1, "QwenImageProcessorOptions: patch_size must be >= 1, got {}", patch_size_);
-  VLMGEN_CHECK(temporal_patch_size_ >= 1, "QwenImageProcessorOptions: temporal_patch_size must be >= 1, got {}",
-               temporal_patch_size_);
-  VLMGEN_CHECK(merge_size_ >= 1, "QwenImageProcessorOptions: merge_size must be >= 1, got {}", merge_size_);
+  using Limits = QwenImageProcessorLimits;
+  VLMGEN_CHECK(patch_size_ >= 1 && patch_size_ <= Limits::kMaxFactor,
+               "QwenImageProcessorOptions: patch_size must be in [1, {}], got {}", Limits::kMaxFactor, patch_size_);
+  VLMGEN_CHECK(temporal_patch_size_ >= 1 && temporal_patch_size_ <= Limits::kMaxTemporalPatchSize,
+               "QwenImageProcessorOptions: temporal_patch_size must be in [1, {}], got {}",
+               Limits::kMaxTemporalPatchSize, temporal_patch_size_);
+  VLMGEN_CHECK(merge_size_ >= 1 && merge_size_ <= Limits::kMaxFactor,
+               "QwenImageProcessorOptions: merge_size must be in [1, {}], got {}", Limits::kMaxFactor, merge_size_);
+  VLMGEN_CHECK(patch_size_ * merge_size_ <= Limits::kMaxFactor,
+               "QwenImageProcessorOptions: patch_size {} * merge_size {} must be at most {}", patch_size_, merge_size_,
+               Limits::kMaxFactor);
+  VLMGEN_CHECK(max_pixels_ <= Limits::kMaxPixels, "QwenImageProcessorOptions: max_pixels {} is above the limit of {}",
+               max_pixels_, Limits::kMaxPixels);
   VLMGEN_CHECK(min_pixels_ >= 1 && min_pixels_ <= max_pixels_,
                "QwenImageProcessorOptions: need 1 <= min_pixels <= max_pixels, got min_pixels {} and max_pixels {}",
                min_pixels_, max_pixels_);
@@ -288,6 +250,13 @@ VisionInputs preprocess(const std::vector<Image>& images, const QwenImageProcess
       throw Error(fmt::format("{}: {}", what, e.what()));
     }
     const auto [height, width] = resized_hw;
+    // Bounds the resampling and the pixel_values of this image, whatever the aspect ratio did.
+    VLMGEN_CHECK(height * width <= QwenImageProcessorLimits::kMaxPixels &&
+                     height * width * tp <= QwenImageProcessorLimits::kMaxPixelFrames,
+                 "{}: resizes to {}x{} (height x width) x {} frames, above the limits of {} pixels and {} pixel-frames "
+                 "(QwenImageProcessorLimits)",
+                 what, height, width, tp, QwenImageProcessorLimits::kMaxPixels,
+                 QwenImageProcessorLimits::kMaxPixelFrames);
     const Image resized = resize_bicubic(image, height, width);
 
     // [H, W, C] uint8 -> [C, H, W]; rescale in double then store float32, as HF's rescale does.

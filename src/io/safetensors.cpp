@@ -1,9 +1,6 @@
 #include "vlmgen/io/safetensors.h"
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -11,9 +8,13 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <string_view>
+#include <tuple>
 #include <utility>
 
+#include "json_parse.h"
 #include "vlmgen/error.h"
+#include "vlmgen/io/files.h"
 
 namespace vlmgen {
 namespace {
@@ -24,6 +25,10 @@ using Json = nlohmann::json;
 // header but garbage, and parsing it would cost memory proportional to its size.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 constexpr const char* kMetadataKey = "__metadata__";
+// Far above any real tensor (ATen kernels stop at 25); a million-dimension shape is an attack.
+constexpr size_t kMaxRank = 64;
+// Tensor names are untrusted text too: messages quote a prefix.
+constexpr size_t kMaxNameInMessage = 96;
 
 struct DtypeName {
   const char* name;
@@ -79,76 +84,64 @@ int64_t non_negative_int(const Json& value, const std::string& path, const std::
 }
 
 // JSON for a message, cut short: a hostile header could hold a million-element shape.
-std::string short_dump(const Json& value) {
-  std::string text = value.dump();
-  if (text.size() > 120) text = text.substr(0, 120) + "...";
-  return text;
-}
-
-// At most `limit` names for a message, then how many more there were.
-std::string name_list(const std::vector<std::string>& names, size_t limit = 20) {
-  std::string out;
-  for (size_t i = 0; i < names.size() && i < limit; ++i) {
-    if (i > 0) out += ", ";
-    out += names[i];
-  }
-  if (names.size() > limit) out += fmt::format(" and {} more", names.size() - limit);
-  return out;
-}
+std::string short_dump(const Json& value) { return detail::json_excerpt(value, 120); }
 
 bool checked_mul(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
 
 SafetensorsEntry parse_entry(const std::string& path, const std::string& name, const Json& value, int64_t data_size) {
-  VLMGEN_CHECK(value.is_object(), "safetensors file '{}': entry '{}' must be a JSON object, got {}", path, name,
+  const std::string shown = quote_excerpt(name, kMaxNameInMessage);
+  VLMGEN_CHECK(value.is_object(), "safetensors file '{}': entry '{}' must be a JSON object, got {}", path, shown,
                value.type_name());
   for (const char* key : {"dtype", "shape", "data_offsets"}) {
-    VLMGEN_CHECK(value.contains(key), "safetensors file '{}': entry '{}' has no \"{}\"", path, name, key);
+    VLMGEN_CHECK(value.contains(key), "safetensors file '{}': entry '{}' has no \"{}\"", path, shown, key);
   }
   SafetensorsEntry entry;
   entry.name = name;
 
   const Json& dtype = value.at("dtype");
-  VLMGEN_CHECK(dtype.is_string(), "safetensors file '{}': entry '{}' dtype must be a string, got {}", path, name,
+  VLMGEN_CHECK(dtype.is_string(), "safetensors file '{}': entry '{}' dtype must be a string, got {}", path, shown,
                dtype.type_name());
   const auto& dtype_str = dtype.get_ref<const std::string&>();
   VLMGEN_CHECK(dtype_from_name(dtype_str, &entry.dtype),
-               "safetensors file '{}': entry '{}' has unsupported dtype '{}' (supported: {})", path, name, dtype_str,
-               supported_dtype_list());
+               "safetensors file '{}': entry '{}' has unsupported dtype '{}' (supported: {})", path, shown,
+               quote_excerpt(dtype_str, 16), supported_dtype_list());
 
   const Json& shape = value.at("shape");
-  VLMGEN_CHECK(shape.is_array(), "safetensors file '{}': entry '{}' shape must be an array, got {}", path, name,
+  VLMGEN_CHECK(shape.is_array(), "safetensors file '{}': entry '{}' shape must be an array, got {}", path, shown,
                shape.type_name());
+  VLMGEN_CHECK(shape.size() <= kMaxRank, "safetensors file '{}': entry '{}' has {} dimensions, above the limit of {}",
+               path, shown, shape.size(), kMaxRank);
   // Bounds the product of max(dim, 1) so that ATen's contiguous strides cannot overflow either,
   // even when a zero dim makes the tensor empty.
   int64_t numel = 1;
   int64_t stride_bound = 1;
   for (size_t i = 0; i < shape.size(); ++i) {
-    const int64_t dim = non_negative_int(shape[i], path, fmt::format("entry '{}' shape[{}]", name, i));
+    const int64_t dim = non_negative_int(shape[i], path, fmt::format("entry '{}' shape[{}]", shown, i));
     entry.shape.push_back(dim);
     VLMGEN_CHECK(checked_mul(stride_bound, std::max<int64_t>(dim, 1), &stride_bound),
-                 "safetensors file '{}': entry '{}' shape {} overflows int64 elements", path, name, short_dump(shape));
+                 "safetensors file '{}': entry '{}' shape {} overflows int64 elements", path, shown, short_dump(shape));
     numel *= dim;  // cannot overflow: |numel| <= stride_bound
   }
   const int64_t element_size = static_cast<int64_t>(c10::elementSize(entry.dtype));
   int64_t byte_size = 0;
   VLMGEN_CHECK(checked_mul(numel, element_size, &byte_size),
-               "safetensors file '{}': entry '{}' shape {} x {} bytes overflows int64", path, name, short_dump(shape),
+               "safetensors file '{}': entry '{}' shape {} x {} bytes overflows int64", path, shown, short_dump(shape),
                element_size);
 
   const Json& offsets = value.at("data_offsets");
   VLMGEN_CHECK(offsets.is_array() && offsets.size() == 2,
-               "safetensors file '{}': entry '{}' data_offsets must be [begin, end], got {}", path, name,
+               "safetensors file '{}': entry '{}' data_offsets must be [begin, end], got {}", path, shown,
                short_dump(offsets));
-  entry.begin = non_negative_int(offsets[0], path, fmt::format("entry '{}' begin offset", name));
-  entry.end = non_negative_int(offsets[1], path, fmt::format("entry '{}' end offset", name));
+  entry.begin = non_negative_int(offsets[0], path, fmt::format("entry '{}' begin offset", shown));
+  entry.end = non_negative_int(offsets[1], path, fmt::format("entry '{}' end offset", shown));
   VLMGEN_CHECK(entry.begin <= entry.end, "safetensors file '{}': entry '{}' data_offsets [{}, {}] end before begin",
-               path, name, entry.begin, entry.end);
+               path, shown, entry.begin, entry.end);
   VLMGEN_CHECK(entry.end <= data_size,
                "safetensors file '{}': entry '{}' data_offsets [{}, {}] beyond the data section of "
                "{} bytes",
-               path, name, entry.begin, entry.end, data_size);
+               path, shown, entry.begin, entry.end, data_size);
   VLMGEN_CHECK(entry.end - entry.begin == byte_size,
-               "safetensors file '{}': entry '{}' {} {} needs {} bytes, data_offsets [{}, {}] hold {}", path, name,
+               "safetensors file '{}': entry '{}' {} {} needs {} bytes, data_offsets [{}, {}] hold {}", path, shown,
                dtype_str, short_dump(shape), byte_size, entry.begin, entry.end, entry.end - entry.begin);
   return entry;
 }
@@ -166,32 +159,64 @@ void check_bool_bytes(const at::Tensor& t, const std::string& path, const std::s
   }
 }
 
+// The format requires the data section to be indexed entirely and without overlap: sorted by
+// offsets, each tensor starts where the previous one ends, the first at 0 and the last at the
+// end. Overlapping tensors would alias each other's bytes and holes or trailing bytes carry data
+// no tensor accounts for (a spliced or truncated file). Empty tensors may sit at any boundary.
+void check_packed_layout(const std::string& path, const std::map<std::string, SafetensorsEntry>& entries,
+                         int64_t data_size) {
+  std::vector<const SafetensorsEntry*> order;
+  order.reserve(entries.size());
+  for (const auto& kv : entries) order.push_back(&kv.second);
+  std::sort(order.begin(), order.end(), [](const SafetensorsEntry* a, const SafetensorsEntry* b) {
+    return std::tie(a->begin, a->end, a->name) < std::tie(b->begin, b->end, b->name);
+  });
+  const SafetensorsEntry* previous = nullptr;
+  int64_t covered = 0;  // end of the packed prefix
+  for (const SafetensorsEntry* e : order) {
+    const std::string shown = quote_excerpt(e->name, kMaxNameInMessage);
+    if (e->begin < covered) {
+      VLMGEN_FAIL(
+          "safetensors file '{}': tensor '{}' data_offsets [{}, {}] overlap tensor '{}' [{}, {}]; tensors must "
+          "not share bytes",
+          path, shown, e->begin, e->end, quote_excerpt(previous->name, kMaxNameInMessage), previous->begin,
+          previous->end);
+    }
+    if (e->begin > covered) {
+      VLMGEN_FAIL(
+          "safetensors file '{}': tensor '{}' starts at byte {} but the data before it ends at byte {} ({}): "
+          "a hole of {} bytes; tensors must be packed back to back",
+          path, shown, e->begin, covered,
+          previous == nullptr ? std::string("start of the data section")
+                              : fmt::format("end of '{}'", quote_excerpt(previous->name, kMaxNameInMessage)),
+          e->begin - covered);
+    }
+    covered = e->end;
+    previous = e;
+  }
+  if (covered != data_size) {
+    VLMGEN_FAIL(
+        "safetensors file '{}': the data section holds {} bytes but the tensors cover only [0, {}) ({}): {} "
+        "trailing bytes",
+        path, data_size, covered,
+        previous == nullptr ? std::string("no tensors")
+                            : fmt::format("last tensor '{}'", quote_excerpt(previous->name, kMaxNameInMessage)),
+        data_size - covered);
+  }
+}
+
 }  // namespace
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  VLMGEN_CHECK(fd >= 0, "cannot open safetensors file '{}': {}", path, std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    VLMGEN_FAIL("cannot stat safetensors file '{}': {}", path, std::strerror(err));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    VLMGEN_FAIL("safetensors path '{}' is not a regular file", path);
-  }
-  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
-  if (file_size < 8) {
-    ::close(fd);
-    VLMGEN_FAIL("safetensors file '{}' is {} bytes, shorter than the 8-byte header length", path, file_size);
-  }
-  void* mapping = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_err = errno;
-  ::close(fd);  // the mapping keeps the file alive
+  // Non-blocking open + fstat: a FIFO named like a shard is refused instead of waiting forever.
+  const RegularFile file(path, "safetensors file");
+  const auto file_size = static_cast<uint64_t>(file.size());
+  VLMGEN_CHECK(file_size >= 8, "safetensors file '{}' is {} bytes, shorter than the 8-byte header length", path,
+               file_size);
+  void* mapping = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, file.fd(), 0);
   VLMGEN_CHECK(mapping != MAP_FAILED, "cannot mmap safetensors file '{}' ({} bytes): {}", path, file_size,
-               std::strerror(map_err));
-  mapping_ = mapping;
+               std::strerror(errno));
+  mapping_ = mapping;  // the mapping keeps the file alive after the descriptor closes
   mapped_size_ = file_size;
 
   // From here on the destructor will not run if we throw, so unmap by hand on failure.
@@ -207,29 +232,9 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
                  "after the length field)",
                  path, header_size, file_size - 8);
     data_ = base + 8 + header_size;
-    const auto data_size = static_cast<int64_t>(file_size - 8 - header_size);
-
-    Json header = Json::parse(base + 8, base + 8 + header_size, /*cb=*/nullptr,
-                              /*allow_exceptions=*/false);
-    VLMGEN_CHECK(!header.is_discarded(), "safetensors file '{}': the {}-byte header is not valid JSON", path,
-                 header_size);
-    VLMGEN_CHECK(header.is_object(), "safetensors file '{}': the header must be a JSON object, got {}", path,
-                 header.type_name());
-
-    for (const auto& item : header.items()) {
-      if (item.key() == kMetadataKey) {
-        const Json& meta = item.value();
-        VLMGEN_CHECK(meta.is_object(), "safetensors file '{}': {} must be an object, got {}", path, kMetadataKey,
-                     meta.type_name());
-        for (const auto& kv : meta.items()) {
-          VLMGEN_CHECK(kv.value().is_string(), "safetensors file '{}': {} value of '{}' must be a string, got {}", path,
-                       kMetadataKey, kv.key(), kv.value().type_name());
-          metadata_[kv.key()] = kv.value().get<std::string>();
-        }
-        continue;
-      }
-      entries_[item.key()] = parse_entry(path, item.key(), item.value(), data_size);
-    }
+    data_size_ = static_cast<int64_t>(file_size - 8 - header_size);
+    const std::string_view header_text(reinterpret_cast<const char*>(base + 8), header_size);
+    read_header(header_text);
   } catch (const Error&) {
     ::munmap(mapping_, mapped_size_);
     mapping_ = nullptr;
@@ -238,8 +243,30 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     // nlohmann's own exceptions (and allocation failures) become the one error type.
     ::munmap(mapping_, mapped_size_);
     mapping_ = nullptr;
-    VLMGEN_FAIL("safetensors file '{}': malformed header: {}", path, e.what());
+    VLMGEN_FAIL("safetensors file '{}': malformed header: {}", path, quote_excerpt(e.what(), 200));
   }
+}
+
+void SafetensorsFile::read_header(std::string_view text) {
+  const Json header = detail::parse_json(text, fmt::format("safetensors file '{}' header", path_),
+                                         JsonLimits().max_bytes(static_cast<int64_t>(kMaxHeaderBytes)));
+  VLMGEN_CHECK(header.is_object(), "safetensors file '{}': the header must be a JSON object, got {}", path_,
+               header.type_name());
+  for (const auto& item : header.items()) {
+    if (item.key() == kMetadataKey) {
+      const Json& meta = item.value();
+      VLMGEN_CHECK(meta.is_object(), "safetensors file '{}': {} must be an object, got {}", path_, kMetadataKey,
+                   meta.type_name());
+      for (const auto& kv : meta.items()) {
+        VLMGEN_CHECK(kv.value().is_string(), "safetensors file '{}': {} value of '{}' must be a string, got {}", path_,
+                     kMetadataKey, quote_excerpt(kv.key(), kMaxNameInMessage), kv.value().type_name());
+        metadata_[kv.key()] = kv.value().get<std::string>();
+      }
+      continue;
+    }
+    entries_[item.key()] = parse_entry(path_, item.key(), item.value(), data_size_);
+  }
+  check_packed_layout(path_, entries_, data_size_);
 }
 
 SafetensorsFile::~SafetensorsFile() {
@@ -306,93 +333,6 @@ at::Tensor SafetensorsFile::narrow(const std::string& name, int64_t dim, int64_t
   }
   check_bool_bytes(out, path_, name);
   return out;
-}
-
-SafetensorsCheckpoint::SafetensorsCheckpoint(const std::string& dir) {
-  const std::string index_path = dir + "/model.safetensors.index.json";
-  const std::string single_path = dir + "/model.safetensors";
-  auto is_file = [](const std::string& p) {
-    struct stat st {};
-    return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-  };
-
-  if (!is_file(index_path)) {
-    VLMGEN_CHECK(is_file(single_path),
-                 "checkpoint directory '{}' holds neither model.safetensors nor "
-                 "model.safetensors.index.json",
-                 dir);
-    files_.push_back(std::make_unique<SafetensorsFile>(single_path));
-    for (const auto& name : files_.back()->names()) owner_[name] = 0;
-    return;
-  }
-
-  std::ifstream in(index_path, std::ios::binary);
-  VLMGEN_CHECK(in.good(), "cannot read checkpoint index '{}'", index_path);
-  const Json index = Json::parse(in, /*cb=*/nullptr, /*allow_exceptions=*/false);
-  VLMGEN_CHECK(!index.is_discarded() && index.is_object(), "checkpoint index '{}' is not a JSON object", index_path);
-  VLMGEN_CHECK(index.contains("weight_map") && index.at("weight_map").is_object(),
-               "checkpoint index '{}' has no \"weight_map\" object", index_path);
-
-  std::map<std::string, size_t> shard_of_file;
-  std::vector<std::string> missing_shards;
-  std::map<std::string, std::string> wanted;  // tensor -> shard file
-  for (const auto& item : index.at("weight_map").items()) {
-    VLMGEN_CHECK(item.value().is_string(), "checkpoint index '{}': weight_map['{}'] must be a file name, got {}",
-                 index_path, item.key(), item.value().type_name());
-    const std::string shard = item.value().get<std::string>();
-    wanted[item.key()] = shard;
-    if (shard_of_file.count(shard) > 0) continue;
-    // Shards live next to the index; a path component would let an index reach anywhere.
-    VLMGEN_CHECK(!shard.empty() && shard.find('/') == std::string::npos && shard != ".." && shard != ".",
-                 "checkpoint index '{}': shard name '{}' must be a plain file name", index_path, shard);
-    shard_of_file[shard] = 0;
-    if (!is_file(fmt::format("{}/{}", dir, shard))) missing_shards.push_back(shard);
-  }
-  VLMGEN_CHECK(missing_shards.empty(), "checkpoint '{}': {} shard file(s) listed in the index are missing: {}", dir,
-               missing_shards.size(), name_list(missing_shards));
-
-  for (auto& kv : shard_of_file) {
-    kv.second = files_.size();
-    files_.push_back(std::make_unique<SafetensorsFile>(fmt::format("{}/{}", dir, kv.first)));
-  }
-  std::vector<std::string> missing_tensors;
-  for (const auto& kv : wanted) {
-    const size_t file = shard_of_file.at(kv.second);
-    if (!files_[file]->contains(kv.first)) {
-      missing_tensors.push_back(fmt::format("{} (in {})", kv.first, kv.second));
-      continue;
-    }
-    owner_[kv.first] = file;
-  }
-  VLMGEN_CHECK(missing_tensors.empty(),
-               "checkpoint '{}': {} tensor(s) listed in the index are missing from their shard: {}", dir,
-               missing_tensors.size(), name_list(missing_tensors));
-}
-
-bool SafetensorsCheckpoint::contains(const std::string& name) const { return owner_.count(name) > 0; }
-
-std::vector<std::string> SafetensorsCheckpoint::names() const {
-  std::vector<std::string> out;
-  out.reserve(owner_.size());
-  for (const auto& kv : owner_) out.push_back(kv.first);
-  return out;
-}
-
-const SafetensorsEntry& SafetensorsCheckpoint::entry(const std::string& name) const {
-  auto it = owner_.find(name);
-  VLMGEN_CHECK(it != owner_.end(), "checkpoint has no tensor '{}' ({} tensors in {} file(s))", name, owner_.size(),
-               files_.size());
-  return files_[it->second]->entry(name);
-}
-
-at::Tensor SafetensorsCheckpoint::tensor(const std::string& name) const {
-  entry(name);  // throws naming the tensor when absent
-  return files_[owner_.at(name)]->tensor(name);
-}
-
-at::Tensor SafetensorsCheckpoint::narrow(const std::string& name, int64_t dim, int64_t start, int64_t length) const {
-  entry(name);
-  return files_[owner_.at(name)]->narrow(name, dim, start, length);
 }
 
 void save_safetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <array>
-#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,6 +19,9 @@ namespace {
 /// The requirements this implementation has of a config, checked before any allocation so a bad
 /// config.json fails with the field's name rather than a shape error deep in a forward call.
 void check_config(const QwenVlConfig& c) {
+  // The config's own rules first: they bound every size, so nothing below (or the allocation
+  // after it) can overflow, and the constructor never accepts what validate() refuses.
+  c.validate();
   VLMGEN_CHECK(c.hidden_size >= 1 && c.num_hidden_layers >= 1 && c.intermediate_size >= 1 && c.vocab_size >= 1,
                "Qwen2-VL config needs positive hidden_size, num_hidden_layers, intermediate_size and vocab_size, "
                "got {}, {}, {}, {}",
@@ -31,7 +33,7 @@ void check_config(const QwenVlConfig& c) {
   VLMGEN_CHECK(c.head_dim >= 2 && c.head_dim % 2 == 0, "head_dim must be even and >= 2, got {}", c.head_dim);
   VLMGEN_CHECK(c.mrope_section.size() == 3, "mrope_section must have 3 entries (t, h, w), got {}",
                c.mrope_section.size());
-  const int64_t section_sum = std::accumulate(c.mrope_section.begin(), c.mrope_section.end(), int64_t{0});
+  const int64_t section_sum = c.mrope_section[0] + c.mrope_section[1] + c.mrope_section[2];  // bounded by validate
   VLMGEN_CHECK(section_sum == c.head_dim / 2 &&
                    std::all_of(c.mrope_section.begin(), c.mrope_section.end(), [](int64_t s) { return s >= 0; }),
                "mrope_section [{}] must be non-negative and sum to head_dim / 2 = {}, sums to {}",
@@ -68,6 +70,8 @@ ModelTraits make_traits(const QwenVlConfig& c) {
   ModelTraits t;
   t.vocab_size = c.vocab_size;
   t.image_token_id = c.image_token_id;
+  t.vision_start_token_id = c.vision_start_token_id;
+  t.vision_end_token_id = c.vision_end_token_id;
   t.video_token_id = c.video_token_id;
   t.spatial_merge_size = c.vision.spatial_merge_size;
   t.vision_layout = VisionLayout::kPatchFlattened;
@@ -134,62 +138,70 @@ Qwen2Vl::Qwen2Vl(const QwenVlConfig& config, uint64_t seed, double init_std, Par
 }
 
 void Qwen2Vl::allocate_weights() {
-  // Local slices: the split dimension of each weight divided by tp (see weight_slots).
-  const int64_t tp = parallel_.tp_size();
-  const int64_t vtp = vision_sharded_ ? tp : 1;
-  const auto opts = at::TensorOptions().dtype(at::kFloat);
-  auto linear = [&](int64_t out, int64_t in, bool bias) {
-    qwen2_vl::Linear l;
-    l.weight = at::empty({out, in}, opts);
-    if (bias) l.bias = at::empty({out}, opts);
-    return l;
-  };
-  auto layer_norm = [&](int64_t dim) { return qwen2_vl::LayerNorm{at::empty({dim}, opts), at::empty({dim}, opts)}; };
+  // Sizes are bounded by validate() (check_config); a model that is valid but larger than this
+  // machine's memory is still refused as a vlmgen::Error naming the numbers.
+  const int64_t parameters = config_.parameter_count();
+  try {
+    // Local slices: the split dimension of each weight divided by tp (see weight_slots).
+    const int64_t tp = parallel_.tp_size();
+    const int64_t vtp = vision_sharded_ ? tp : 1;
+    const auto opts = at::TensorOptions().dtype(at::kFloat);
+    auto linear = [&](int64_t out, int64_t in, bool bias) {
+      qwen2_vl::Linear l;
+      l.weight = at::empty({out, in}, opts);
+      if (bias) l.bias = at::empty({out}, opts);
+      return l;
+    };
+    auto layer_norm = [&](int64_t dim) { return qwen2_vl::LayerNorm{at::empty({dim}, opts), at::empty({dim}, opts)}; };
 
-  const QwenVisionConfig& v = config_.vision;
-  const int64_t e = v.embed_dim;
-  const int64_t merged = e * v.spatial_merge_size * v.spatial_merge_size;
-  vision_.patch_embed = at::empty({e, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size}, opts);
-  vision_.blocks.clear();
-  for (int64_t i = 0; i < v.depth; ++i) {
-    qwen2_vl::VisionBlock b;
-    b.norm1 = layer_norm(e);
-    b.qkv = linear(3 * e / vtp, e, true);
-    b.proj = linear(e, e / vtp, true);
-    b.norm2 = layer_norm(e);
-    b.fc1 = linear(e * v.mlp_ratio / vtp, e, true);
-    b.fc2 = linear(e, e * v.mlp_ratio / vtp, true);
-    vision_.blocks.push_back(std::move(b));
-  }
-  vision_.ln_q = layer_norm(e);
-  vision_.merger_fc1 = linear(merged / vtp, merged, true);
-  vision_.merger_fc2 = linear(config_.hidden_size, merged / vtp, true);
+    const QwenVisionConfig& v = config_.vision;
+    const int64_t e = v.embed_dim;
+    const int64_t merged = e * v.spatial_merge_size * v.spatial_merge_size;
+    vision_.patch_embed = at::empty({e, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size}, opts);
+    vision_.blocks.clear();
+    for (int64_t i = 0; i < v.depth; ++i) {
+      qwen2_vl::VisionBlock b;
+      b.norm1 = layer_norm(e);
+      b.qkv = linear(3 * e / vtp, e, true);
+      b.proj = linear(e, e / vtp, true);
+      b.norm2 = layer_norm(e);
+      b.fc1 = linear(e * v.mlp_ratio / vtp, e, true);
+      b.fc2 = linear(e, e * v.mlp_ratio / vtp, true);
+      vision_.blocks.push_back(std::move(b));
+    }
+    vision_.ln_q = layer_norm(e);
+    vision_.merger_fc1 = linear(merged / vtp, merged, true);
+    vision_.merger_fc2 = linear(config_.hidden_size, merged / vtp, true);
 
-  const int64_t h = config_.hidden_size;
-  const int64_t q_out = config_.num_attention_heads * config_.head_dim / tp;
-  const int64_t kv_out = config_.num_key_value_heads * config_.head_dim / tp;
-  const int64_t ffn = config_.intermediate_size / tp;
-  const int64_t vocab = config_.vocab_size / tp;
-  lm_.embed_tokens = at::empty({vocab, h}, opts);
-  lm_.layers.clear();
-  for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
-    qwen2_vl::DecoderLayer l;
-    l.input_layernorm = at::empty({h}, opts);
-    l.q_proj = linear(q_out, h, true);
-    l.k_proj = linear(kv_out, h, true);
-    l.v_proj = linear(kv_out, h, true);
-    l.o_proj = linear(h, q_out, false);
-    l.post_attention_layernorm = at::empty({h}, opts);
-    l.gate_proj = linear(ffn, h, false);
-    l.up_proj = linear(ffn, h, false);
-    l.down_proj = linear(h, ffn, false);
-    lm_.layers.push_back(std::move(l));
-  }
-  lm_.norm = at::empty({h}, opts);
-  if (config_.tie_word_embeddings) {
-    tie_lm_head();
-  } else {
-    lm_.lm_head = at::empty({vocab, h}, opts);
+    const int64_t h = config_.hidden_size;
+    const int64_t q_out = config_.num_attention_heads * config_.head_dim / tp;
+    const int64_t kv_out = config_.num_key_value_heads * config_.head_dim / tp;
+    const int64_t ffn = config_.intermediate_size / tp;
+    const int64_t vocab = config_.vocab_size / tp;
+    lm_.embed_tokens = at::empty({vocab, h}, opts);
+    lm_.layers.clear();
+    for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
+      qwen2_vl::DecoderLayer l;
+      l.input_layernorm = at::empty({h}, opts);
+      l.q_proj = linear(q_out, h, true);
+      l.k_proj = linear(kv_out, h, true);
+      l.v_proj = linear(kv_out, h, true);
+      l.o_proj = linear(h, q_out, false);
+      l.post_attention_layernorm = at::empty({h}, opts);
+      l.gate_proj = linear(ffn, h, false);
+      l.up_proj = linear(ffn, h, false);
+      l.down_proj = linear(h, ffn, false);
+      lm_.layers.push_back(std::move(l));
+    }
+    lm_.norm = at::empty({h}, opts);
+    if (config_.tie_word_embeddings) {
+      tie_lm_head();
+    } else {
+      lm_.lm_head = at::empty({vocab, h}, opts);
+    }
+  } catch (const c10::Error& e) {
+    VLMGEN_FAIL("cannot allocate the {} float32 weights ({} bytes) this config describes: {}", parameters,
+                parameters * 4, e.what_without_backtrace());  // <= 2^42: kMaxParameters
   }
 }
 

@@ -59,12 +59,20 @@ at::Tensor read_slice(const SafetensorsCheckpoint& checkpoint, const std::string
 std::unique_ptr<Qwen2Vl> Qwen2Vl::from_checkpoint(const std::string& dir, const ParallelContext& parallel) {
   const std::filesystem::path root(dir);
   QwenVlConfig config = QwenVlConfig::from_file((root / "config.json").string());
-  // Checked before the (possibly large) files are mapped: a TP size that does not divide the
-  // heads fails right away, naming the numbers.
+  // Bounds every size before any arithmetic on it, and a TP size that does not divide the heads
+  // fails right away: both before the (possibly large) files are mapped.
+  config.validate();
   Qwen2Vl::check_parallel_config(config, parallel);
   SafetensorsCheckpoint checkpoint(dir);
   // Some tied checkpoints leave tie_word_embeddings unset but ship no head: use the embedding.
   if (!checkpoint.contains("lm_head.weight")) config.tie_word_embeddings = true;
+  // A config.json that promises more weights than the files hold is refused before the model
+  // allocates them (at 2 bytes per weight, the smallest dtype loaded).
+  const int64_t parameters = config.parameter_count();
+  VLMGEN_CHECK(parameters <= checkpoint.data_bytes() / 2,
+               "checkpoint {}: config.json describes {} weights, at least {} bytes as F16/BF16, but its safetensors "
+               "files hold only {} bytes of tensor data",
+               dir, parameters, parameters * 2, checkpoint.data_bytes());
   std::unique_ptr<Qwen2Vl> model(new Qwen2Vl(config, Uninitialized{}, parallel));
 
   std::vector<WeightSlot> weights = model->weight_slots();

@@ -1,15 +1,14 @@
 #include "vlmgen/models/qwen_vl_config.h"
 
 #include <cmath>
-#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <numeric>
-#include <sstream>
 #include <tuple>
 #include <utility>
 
+#include "../io/json_parse.h"
 #include "vlmgen/error.h"
+#include "vlmgen/io/files.h"
 
 // Which fields are required and which fall back to a default when config.json lacks them:
 //
@@ -80,21 +79,24 @@ int64_t as_int(const Json& v, const std::string& field, bool allow_integral_floa
                  "config field '{}' must be a whole number, got {}", field, d);
     return static_cast<int64_t>(d);
   }
-  VLMGEN_FAIL("config field '{}' must be an integer, got JSON {} ({})", field, v.type_name(), v.dump());
+  VLMGEN_FAIL("config field '{}' must be an integer, got JSON {} ({})", field, v.type_name(), detail::json_excerpt(v));
 }
 
 double as_double(const Json& v, const std::string& field) {
-  VLMGEN_CHECK(v.is_number(), "config field '{}' must be a number, got JSON {} ({})", field, v.type_name(), v.dump());
+  VLMGEN_CHECK(v.is_number(), "config field '{}' must be a number, got JSON {} ({})", field, v.type_name(),
+               detail::json_excerpt(v));
   return v.get<double>();
 }
 
 bool as_bool(const Json& v, const std::string& field) {
-  VLMGEN_CHECK(v.is_boolean(), "config field '{}' must be a boolean, got JSON {} ({})", field, v.type_name(), v.dump());
+  VLMGEN_CHECK(v.is_boolean(), "config field '{}' must be a boolean, got JSON {} ({})", field, v.type_name(),
+               detail::json_excerpt(v));
   return v.get<bool>();
 }
 
 std::string as_string(const Json& v, const std::string& field) {
-  VLMGEN_CHECK(v.is_string(), "config field '{}' must be a string, got JSON {} ({})", field, v.type_name(), v.dump());
+  VLMGEN_CHECK(v.is_string(), "config field '{}' must be a string, got JSON {} ({})", field, v.type_name(),
+               detail::json_excerpt(v));
   return v.get<std::string>();
 }
 
@@ -205,12 +207,8 @@ std::vector<int64_t> parse_mrope_section(const FieldReader& text) {
 }  // namespace
 
 QwenVlConfig QwenVlConfig::from_json(const std::string& json_text) {
-  Json root;
-  try {
-    root = Json::parse(json_text);
-  } catch (const Json::exception& e) {
-    VLMGEN_FAIL("config text ({} bytes) is not valid JSON: {}", json_text.size(), e.what());
-  }
+  const Json root =
+      detail::parse_json(json_text, "config", JsonLimits().max_bytes(QwenVlConfigLimits::kMaxConfigBytes));
   VLMGEN_CHECK(root.is_object(), "config must be a JSON object, got {}", root.type_name());
 
   // Text fields: text_config first (newer transformers), then the top level (flat layout).
@@ -261,13 +259,9 @@ QwenVlConfig QwenVlConfig::from_json(const std::string& json_text) {
 }
 
 QwenVlConfig QwenVlConfig::from_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  VLMGEN_CHECK(in.good(), "cannot open config file '{}'", path);
-  std::ostringstream text;
-  text << in.rdbuf();
-  VLMGEN_CHECK(!in.bad(), "cannot read config file '{}'", path);
+  const std::string text = read_regular_file(path, "config file", QwenVlConfigLimits::kMaxConfigBytes);
   try {
-    return from_json(text.str());
+    return from_json(text);
   } catch (const Error& e) {
     VLMGEN_FAIL("config file '{}': {}", path, e.what());
   }
@@ -311,61 +305,6 @@ std::string QwenVlConfig::to_json() const {
   root["vision_end_token_id"] = vision_end_token_id;
   root["vision_config"] = std::move(vision_json);
   return root.dump(2);
-}
-
-void QwenVlConfig::validate() const {
-  const std::pair<const char*, int64_t> positive[] = {
-      {"hidden_size", hidden_size},
-      {"num_hidden_layers", num_hidden_layers},
-      {"num_attention_heads", num_attention_heads},
-      {"num_key_value_heads", num_key_value_heads},
-      {"head_dim", head_dim},
-      {"intermediate_size", intermediate_size},
-      {"vocab_size", vocab_size},
-      {"max_position_embeddings", max_position_embeddings},
-      {"vision.depth", vision.depth},
-      {"vision.embed_dim", vision.embed_dim},
-      {"vision.num_heads", vision.num_heads},
-      {"vision.mlp_ratio", vision.mlp_ratio},
-      {"vision.in_channels", vision.in_channels},
-      {"vision.patch_size", vision.patch_size},
-      {"vision.temporal_patch_size", vision.temporal_patch_size},
-      {"vision.spatial_merge_size", vision.spatial_merge_size},
-      {"vision.hidden_size", vision.hidden_size},
-  };
-  for (const auto& [name, value] : positive) {
-    VLMGEN_CHECK(value > 0, "config {} must be positive, got {}", name, value);
-  }
-  VLMGEN_CHECK(rms_norm_eps > 0 && std::isfinite(rms_norm_eps), "config rms_norm_eps must be positive, got {}",
-               rms_norm_eps);
-  VLMGEN_CHECK(rope_theta > 0 && std::isfinite(rope_theta), "config rope_theta must be positive, got {}", rope_theta);
-  VLMGEN_CHECK(num_attention_heads % num_key_value_heads == 0,
-               "config num_attention_heads {} is not a multiple of num_key_value_heads {}", num_attention_heads,
-               num_key_value_heads);
-  VLMGEN_CHECK(head_dim % 2 == 0, "config head_dim must be even for rotary embeddings, got {}", head_dim);
-  // M-RoPE splits the rotary half of head_dim into temporal, height and width sections.
-  VLMGEN_CHECK(mrope_section.size() == 3, "config mrope_section must have 3 entries (temporal, height, width), got {}",
-               mrope_section.size());
-  for (int64_t s : mrope_section) {
-    VLMGEN_CHECK(s > 0, "config mrope_section entries must be positive, got {}", mrope_section);
-  }
-  const int64_t section_sum = std::accumulate(mrope_section.begin(), mrope_section.end(), int64_t{0});
-  VLMGEN_CHECK(section_sum == head_dim / 2, "config mrope_section {} sums to {}, expected head_dim / 2 = {}",
-               mrope_section, section_sum, head_dim / 2);
-  VLMGEN_CHECK(vision.embed_dim % vision.num_heads == 0,
-               "config vision embed_dim {} is not divisible by vision num_heads {}", vision.embed_dim,
-               vision.num_heads);
-  VLMGEN_CHECK(vision.hidden_size == hidden_size, "config vision hidden_size {} must equal the LM hidden_size {}",
-               vision.hidden_size, hidden_size);
-  const std::pair<const char*, int64_t> token_ids[] = {
-      {"image_token_id", image_token_id},
-      {"video_token_id", video_token_id},
-      {"vision_start_token_id", vision_start_token_id},
-      {"vision_end_token_id", vision_end_token_id},
-  };
-  for (const auto& [name, id] : token_ids) {
-    VLMGEN_CHECK(id >= 0 && id < vocab_size, "config {} {} is outside the vocabulary [0, {})", name, id, vocab_size);
-  }
 }
 
 QwenVlConfig QwenVlConfig::tiny() {

@@ -11,26 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "stb_write_for_tests.h"
 #include "vlmgen/error.h"
 #include "vlmgen/image/qwen_image_processor.h"
-
-// The library keeps its stb copy private, so the test writes JPEG and grayscale/RGBA files
-// through its own (static) copy of the writer.
-#define STB_IMAGE_WRITE_IMPLEMENTATION
-#define STB_IMAGE_WRITE_STATIC
-#if defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-function"
-#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
-#endif
-#if __has_include(<stb/stb_image_write.h>)
-#include <stb/stb_image_write.h>
-#else
-#include <stb_image_write.h>
-#endif
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
 
 namespace vlmgen {
 namespace {
@@ -136,11 +119,13 @@ TEST(SmartResize, RejectsAspectRatioAbove200) {
   EXPECT_THAT(message, HasSubstr("200"));
 }
 
-TEST(SmartResize, RejectsSidesBelowFactor) {
-  const std::string message = error_message([] { smart_resize(20, 100, 28); });
-  EXPECT_THAT(message, HasSubstr("height 20"));
-  EXPECT_THAT(message, HasSubstr("factor 28"));
-  EXPECT_THROW(smart_resize(100, 27, 28), Error);
+// HF's current processor takes sides below the factor: 20 rounds to one factor (20 / 28 = 0.71),
+// and 1x1 rounds to nothing and is enlarged to min_pixels (beta = 56, sides ceil(56 / 28) * 28).
+TEST(SmartResize, TakesSidesBelowFactorLikeHf) {
+  EXPECT_EQ(smart_resize(20, 100, 28), (HeightWidth{28, 112}));
+  EXPECT_EQ(smart_resize(1, 1, 28), (HeightWidth{56, 56}));
+  EXPECT_THAT(error_message([] { smart_resize(0, 100, 28); }), HasSubstr("height 0 and width 100 must both be positive"));
+  EXPECT_THROW(smart_resize(100, -5, 28), Error);
 }
 
 TEST(SmartResize, RejectsMinPixelsAboveMaxPixels) {
@@ -278,10 +263,10 @@ TEST(ImageProcessor, RejectsBadImagesNamingTheIndex) {
   EXPECT_THAT(message, HasSubstr("image 1"));
   EXPECT_THAT(message, HasSubstr("9408"));
 
+  // A picture below one patch is no longer refused: HF enlarges it to min_pixels (56x56).
   const Image tiny = make_image(10, 10, [](int64_t, int64_t, int64_t) { return uint8_t(7); });
-  message = error_message([&] { preprocess({tiny}, QwenImageProcessorOptions()); });
-  EXPECT_THAT(message, HasSubstr("image 0"));
-  EXPECT_THAT(message, HasSubstr("height 10"));
+  EXPECT_TRUE(at::equal(preprocess({tiny}, QwenImageProcessorOptions()).image_grid_thw,
+                        at::tensor({int64_t{1}, int64_t{4}, int64_t{4}}).view({1, 3})));
 
   EXPECT_THAT(error_message([&] { preprocess({Image{}}, QwenImageProcessorOptions()); }), HasSubstr("0x0"));
 }

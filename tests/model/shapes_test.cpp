@@ -19,9 +19,9 @@
 #include "vlmgen/error.h"
 #include "vlmgen/generator.h"
 #include "vlmgen/models/qwen2_vl.h"
-#include "vlmgen/shapes/shapes_data.h"
-#include "vlmgen/shapes/shapes_model.h"
-#include "vlmgen/shapes/word_tokenizer.h"
+#include "shapes/shapes_data.h"
+#include "shapes/shapes_model.h"
+#include "shapes/word_tokenizer.h"
 
 namespace vlmgen::shapes {
 namespace {
@@ -262,12 +262,13 @@ TEST(ShippedShapesModel, MismatchedFilesAreErrors) {
                Error);
   const std::string empty = temp_dir("no_preprocessor");
   EXPECT_THROW(load_processor_options(empty), Error);
-  std::ofstream(empty + "/" + kPreprocessorFile) << R"({"patch_size": 16, "merge_size": 2})";
+  // A folder whose patches the vision tower could not take.
+  std::ofstream(empty + "/" + kPreprocessorFile) << R"({"patch_size": 14, "merge_size": 2})";
   try {
-    load_processor_options(empty);
-    FAIL() << "a missing field must be an error";
+    checkpoint_image_processor(empty, Qwen2Vl::from_checkpoint(dir)->config());
+    FAIL() << "a patch geometry other than the model's must be an error";
   } catch (const Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("temporal_patch_size"));
+    EXPECT_THAT(e.what(), HasSubstr("patch_size 14"));
   }
 }
 

@@ -15,27 +15,27 @@
 #include <utility>
 #include <vector>
 
+#include "vlmgen/image/image.h"
 #include "vlmgen/vision_inputs.h"
 
 namespace vlmgen {
 
-/// An 8-bit RGB image. Channel c of the pixel at row y, column x is
-/// `rgb[(y * width + x) * 3 + c]` (HWC, rows top to bottom).
-struct Image {
-  int64_t height = 0;
-  int64_t width = 0;
-  std::vector<uint8_t> rgb;  // [height * width * 3]
+/// Bounds on the Qwen2-VL image processor, so that neither a setting nor an image can make it
+/// allocate or compute without limit. Qwen2-VL's own settings: patch 14, merge 2, temporal 2,
+/// max_pixels 12,845,056.
+struct QwenImageProcessorLimits {
+  /// Largest input side for smart_resize (stb's own decoding limit).
+  static constexpr int64_t kMaxSide = int64_t{1} << 24;
+  /// Largest patch_size * merge_size: the smallest resized image is factor^2 pixels.
+  static constexpr int64_t kMaxFactor = 4096;
+  static constexpr int64_t kMaxTemporalPatchSize = 64;
+  /// Largest min_pixels / max_pixels, and largest resized image (smart_resize may exceed
+  /// max_pixels for extreme aspect ratios, as HF's does; never this).
+  static constexpr int64_t kMaxPixels = int64_t{1} << 26;
+  /// Largest resized height * width * temporal_patch_size of one image: its pixel_values rows
+  /// hold 3 float32 per pixel and frame (1.5 GiB at this bound).
+  static constexpr int64_t kMaxPixelFrames = int64_t{1} << 27;
 };
-
-/// Decodes a PNG or JPEG file into RGB: grayscale is replicated to three channels and an
-/// alpha channel is dropped (as PIL's `convert("RGB")` does). EXIF orientation is not applied.
-/// Throws vlmgen::Error naming `path` when the file cannot be opened, is not a PNG/JPEG
-/// image, or has no pixels.
-Image load_image(const std::string& path);
-
-/// Writes `image` as an 8-bit RGB PNG (lossless, so load_image gives the same pixels back).
-/// Throws vlmgen::Error naming `path` when the image is malformed or the file cannot be written.
-void save_png(const std::string& path, const Image& image);
 
 /// Resamples `image` to `height` x `width` with PIL's bicubic filter (`Image.resize(...,
 /// BICUBIC)`: a = -0.5, antialiased when shrinking, 8-bit fixed-point, horizontal pass first,
@@ -48,7 +48,10 @@ Image resize_bicubic(const Image& image, int64_t height, int64_t width);
 /// keeping the aspect ratio. Each side is rounded to the nearest multiple (ties to even, as
 /// Python's `round`); an area above max_pixels is scaled down by sqrt(area / max_pixels) and
 /// floored to multiples, one below min_pixels scaled up and ceiled.
-/// Throws vlmgen::Error when a side is below `factor` or the aspect ratio exceeds 200.
+/// Sides below `factor` round to 0 and are enlarged to min_pixels, as HF does today (older HF
+/// versions refused them). Throws vlmgen::Error when a side is not positive or is above
+/// QwenImageProcessorLimits::kMaxSide,
+/// the aspect ratio exceeds 200, factor exceeds kMaxFactor or max_pixels exceeds kMaxPixels.
 ///   smart_resize(224, 224, 28, 56 * 56, 28 * 28 * 1280) == {224, 224}
 std::pair<int64_t, int64_t> smart_resize(int64_t height, int64_t width, int64_t factor = 28,
                                          int64_t min_pixels = 56 * 56, int64_t max_pixels = 28 * 28 * 1280);
@@ -122,7 +125,8 @@ class QwenImageProcessorOptions {
   int64_t factor() const { return patch_size_ * merge_size_; }
 
   /// Throws vlmgen::Error naming the field when a value cannot work (non-positive sizes,
-  /// min_pixels > max_pixels, a zero or non-finite std, a non-finite mean or rescale).
+  /// min_pixels > max_pixels, a zero or non-finite std, a non-finite mean or rescale) or exceeds
+  /// QwenImageProcessorLimits (factor, temporal_patch_size, max_pixels).
   void validate() const;
 
  private:
@@ -144,7 +148,8 @@ class QwenImageProcessorOptions {
 ///   image_grid_thw: [num_images, 3], int64, (1, resized_height / patch, resized_width / patch)
 ///   image_sizes:    [num_images, 2], int64, (height, width) of each image before resizing
 /// An empty list gives an empty bundle. Throws vlmgen::Error (naming the image's index) on a
-/// malformed image, an impossible size, or invalid options.
+/// malformed image, an impossible size, a resized image above QwenImageProcessorLimits, or
+/// invalid options; the checks run before any pixel is resampled.
 VisionInputs preprocess(const std::vector<Image>& images,
                         const QwenImageProcessorOptions& options = QwenImageProcessorOptions());
 

@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace vlmgen {
@@ -21,7 +22,11 @@ struct SafetensorsEntry {
 
 /// A memory-mapped .safetensors file. Tensors are read lazily; `narrow` reads only a slice of a
 /// tensor along one dimension (for loading a tensor-parallel shard without reading the rest).
-/// Malformed files throw vlmgen::Error naming the file and what is wrong.
+/// Malformed files throw vlmgen::Error naming the file and what is wrong. Refused, besides
+/// malformed JSON: a path that is not a regular file (a FIFO would block), a header over 100 MB
+/// or nested deeper than kMaxJsonDepth (vlmgen/io/json.h), a shape of more than 64 dimensions
+/// or whose byte size overflows, and a data section that the tensors do not cover exactly once
+/// (overlapping tensors, holes between them, bytes before the first or after the last).
 class SafetensorsFile {
  public:
   explicit SafetensorsFile(const std::string& path);
@@ -31,9 +36,11 @@ class SafetensorsFile {
 
   const std::string& path() const { return path_; }
   bool contains(const std::string& name) const;
-  std::vector<std::string> names() const;                       // sorted
-  const SafetensorsEntry& entry(const std::string& name) const; // throws when absent
+  std::vector<std::string> names() const;                        // sorted
+  const SafetensorsEntry& entry(const std::string& name) const;  // throws when absent
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  /// Bytes of the data section (after the header): the sum of all tensors' byte sizes.
+  int64_t data_bytes() const { return data_size_; }
 
   /// The whole tensor, copied out of the mapping (CPU, the file's dtype).
   at::Tensor tensor(const std::string& name) const;
@@ -41,19 +48,26 @@ class SafetensorsFile {
   at::Tensor narrow(const std::string& name, int64_t dim, int64_t start, int64_t length) const;
 
  private:
+  void read_header(std::string_view text);
+
   std::string path_;
   std::map<std::string, SafetensorsEntry> entries_;
   std::map<std::string, std::string> metadata_;
   const uint8_t* data_ = nullptr;  // start of the data section inside the mapping
+  int64_t data_size_ = 0;
   size_t mapped_size_ = 0;
   void* mapping_ = nullptr;
 };
 
 /// A checkpoint made of one model.safetensors or shards listed in model.safetensors.index.json.
+/// The index is held to 64 MiB and kMaxJsonDepth; shard names must be plain file names next to
+/// it, and every file must be a regular one.
 class SafetensorsCheckpoint {
  public:
   /// `dir` holds model.safetensors or model.safetensors.index.json (+ its shards).
   explicit SafetensorsCheckpoint(const std::string& dir);
+  /// Bytes of tensor data in all files together: what a config's weights can be read from.
+  int64_t data_bytes() const;
   bool contains(const std::string& name) const;
   std::vector<std::string> names() const;  // sorted
   const SafetensorsEntry& entry(const std::string& name) const;

@@ -1,4 +1,4 @@
-#include "vlmgen/shapes/word_tokenizer.h"
+#include "shapes/word_tokenizer.h"
 
 #include <algorithm>
 #include <cctype>

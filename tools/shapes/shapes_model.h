@@ -19,18 +19,19 @@
 #include <string>
 #include <vector>
 
+#include "shapes/shapes_data.h"
+#include "shapes/word_tokenizer.h"
 #include "vlmgen/generator.h"
+#include "vlmgen/image/preprocessor_config.h"
 #include "vlmgen/image/qwen_image_processor.h"
 #include "vlmgen/models/qwen2_vl.h"
 #include "vlmgen/models/qwen_vl_config.h"
-#include "vlmgen/shapes/shapes_data.h"
-#include "vlmgen/shapes/word_tokenizer.h"
 #include "vlmgen/vision_inputs.h"
 
 namespace vlmgen::shapes {
 
 inline constexpr const char* kVocabFile = "vocab.txt";
-inline constexpr const char* kPreprocessorFile = "preprocessor_config.json";
+inline constexpr const char* kPreprocessorFile = kPreprocessorConfigFile;
 
 /// `source_dir`/models/shapes-vlm: where the repository ships the trained checkpoint.
 std::string default_checkpoint_dir(const std::string& source_dir);

@@ -1,30 +1,17 @@
-#include "vlmgen/shapes/shapes_model.h"
+#include "shapes/shapes_model.h"
 
 #include <algorithm>
 #include <array>
 #include <filesystem>
 #include <fstream>
-#include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <utility>
 
 #include "vlmgen/error.h"
+#include "vlmgen/image/preprocessor_config.h"
 
 namespace vlmgen::shapes {
-namespace {
-
-using Json = nlohmann::json;
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  VLMGEN_CHECK(in.good(), "cannot open {}", path);
-  std::ostringstream text;
-  text << in.rdbuf();
-  VLMGEN_CHECK(!in.bad(), "reading {} failed", path);
-  return text.str();
-}
-
-}  // namespace
 
 std::string default_checkpoint_dir(const std::string& source_dir) {
   return (std::filesystem::path(source_dir) / "models" / "shapes-vlm").string();
@@ -76,63 +63,14 @@ QwenImageProcessorOptions processor_options(const QwenVlConfig& config, int64_t 
 }
 
 void save_processor_options(const std::string& dir, const QwenImageProcessorOptions& options) {
-  options.validate();
-  Json j;
-  j["image_processor_type"] = "Qwen2VLImageProcessor";
-  j["patch_size"] = options.patch_size();
-  j["temporal_patch_size"] = options.temporal_patch_size();
-  j["merge_size"] = options.merge_size();
-  j["min_pixels"] = options.min_pixels();
-  j["max_pixels"] = options.max_pixels();
-  j["image_mean"] = options.image_mean();
-  j["image_std"] = options.image_std();
-  j["do_rescale"] = true;
-  j["rescale_factor"] = options.rescale();
-  j["do_normalize"] = true;
-  j["do_resize"] = true;
-  const std::string path = (std::filesystem::path(dir) / kPreprocessorFile).string();
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  VLMGEN_CHECK(out.good(), "cannot open {} for writing", path);
-  out << j.dump(2) << '\n';
-  out.close();
-  VLMGEN_CHECK(!out.fail(), "writing {} failed", path);
+  save_preprocessor_config(dir, options);
 }
 
 QwenImageProcessorOptions load_processor_options(const std::string& dir) {
-  const std::string path = (std::filesystem::path(dir) / kPreprocessorFile).string();
-  const std::string text = read_text(path);
-  QwenImageProcessorOptions options;
-  try {
-    const Json j = Json::parse(text);
-    auto need = [&](const char* field) -> const Json& {
-      VLMGEN_CHECK(j.contains(field), "{} lacks the field \"{}\"", path, field);
-      return j.at(field);
-    };
-    options.patch_size(need("patch_size").get<int64_t>())
-        .temporal_patch_size(need("temporal_patch_size").get<int64_t>())
-        .merge_size(need("merge_size").get<int64_t>());
-    // Newer HF files keep the pixel bounds under "size" (shortest_edge / longest_edge, in pixels
-    // of area despite the names).
-    if (j.contains("min_pixels") || j.contains("max_pixels")) {
-      options.min_pixels(need("min_pixels").get<int64_t>()).max_pixels(need("max_pixels").get<int64_t>());
-    } else {
-      const Json& size = need("size");
-      VLMGEN_CHECK(size.contains("shortest_edge") && size.contains("longest_edge"),
-                   "{} has neither min_pixels/max_pixels nor size.shortest_edge/longest_edge", path);
-      options.min_pixels(size.at("shortest_edge").get<int64_t>()).max_pixels(size.at("longest_edge").get<int64_t>());
-    }
-    if (j.contains("image_mean")) options.image_mean(j.at("image_mean").get<std::array<double, 3>>());
-    if (j.contains("image_std")) options.image_std(j.at("image_std").get<std::array<double, 3>>());
-    if (j.contains("rescale_factor")) options.rescale(j.at("rescale_factor").get<double>());
-  } catch (const Json::exception& e) {
-    VLMGEN_FAIL("{} is not a valid preprocessor config: {}", path, e.what());
-  }
-  try {
-    options.validate();
-  } catch (const Error& e) {
-    VLMGEN_FAIL("{}: {}", path, e.what());
-  }
-  return options;
+  std::optional<QwenImageProcessorOptions> options = load_preprocessor_config(dir);
+  VLMGEN_CHECK(options.has_value(), "{} has no {}: the captioner's image size is set there", dir,
+               kPreprocessorConfigFile);
+  return *options;
 }
 
 TrainingBatch make_training_batch(const std::vector<Scene>& scenes, const WordTokenizer& tokenizer,

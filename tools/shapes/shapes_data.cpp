@@ -1,4 +1,4 @@
-#include "vlmgen/shapes/shapes_data.h"
+#include "shapes/shapes_data.h"
 
 #include <algorithm>
 #include <array>

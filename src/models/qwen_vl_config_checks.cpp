@@ -1,0 +1,149 @@
+// QwenVlConfig::validate and parameter_count. A config.json is untrusted input: every size is
+// held to its documented bound (QwenVlConfigLimits) before any arithmetic on it, and every
+// product is overflow-checked, so that a hostile file is refused by name instead of wrapping
+// around into a small number or asking the allocator for petabytes.
+
+#include <cmath>
+#include <cstdint>
+
+#include "vlmgen/detail/checked_math.h"
+#include "vlmgen/error.h"
+#include "vlmgen/models/qwen_vl_config.h"
+
+namespace vlmgen {
+namespace {
+
+using Limits = QwenVlConfigLimits;
+using detail::checked_add;
+using detail::checked_mul;
+
+constexpr const char* kOverflow = "config: the number of weights";
+
+// Weights of a linear layer [out, in] (+ bias [out]).
+int64_t linear(int64_t out, int64_t in, bool bias) {
+  const int64_t weight = checked_mul(out, in, kOverflow);
+  return bias ? checked_add(weight, out, kOverflow) : weight;
+}
+
+// Mirrors Qwen2Vl::allocate_weights (a test holds the two to the same number).
+int64_t vision_parameters(const QwenVisionConfig& v, int64_t hidden) {
+  const int64_t e = v.embed_dim;
+  const int64_t mlp = checked_mul(e, v.mlp_ratio, kOverflow);
+  const int64_t merged = checked_mul(e, checked_mul(v.spatial_merge_size, v.spatial_merge_size, kOverflow), kOverflow);
+  int64_t patch = checked_mul(e, v.in_channels, kOverflow);
+  patch = checked_mul(patch, v.temporal_patch_size, kOverflow);
+  patch = checked_mul(patch, checked_mul(v.patch_size, v.patch_size, kOverflow), kOverflow);
+
+  int64_t block = checked_mul(4, e, kOverflow);  // norm1, norm2 (weight + bias each)
+  block = checked_add(block, linear(checked_mul(3, e, kOverflow), e, true), kOverflow);  // qkv
+  block = checked_add(block, linear(e, e, true), kOverflow);                             // proj
+  block = checked_add(block, linear(mlp, e, true), kOverflow);                           // fc1
+  block = checked_add(block, linear(e, mlp, true), kOverflow);                           // fc2
+
+  int64_t total = checked_add(patch, checked_mul(block, v.depth, kOverflow), kOverflow);
+  total = checked_add(total, checked_mul(2, e, kOverflow), kOverflow);  // ln_q
+  total = checked_add(total, linear(merged, merged, true), kOverflow);  // merger fc1
+  return checked_add(total, linear(hidden, merged, true), kOverflow);   // merger fc2
+}
+
+int64_t language_parameters(const QwenVlConfig& c) {
+  const int64_t h = c.hidden_size;
+  const int64_t q_out = checked_mul(c.num_attention_heads, c.head_dim, kOverflow);
+  const int64_t kv_out = checked_mul(c.num_key_value_heads, c.head_dim, kOverflow);
+  int64_t layer = checked_mul(2, h, kOverflow);  // input and post-attention norms
+  layer = checked_add(layer, linear(q_out, h, true), kOverflow);
+  layer = checked_add(layer, checked_mul(2, linear(kv_out, h, true), kOverflow), kOverflow);                // k, v
+  layer = checked_add(layer, linear(h, q_out, false), kOverflow);                                           // o
+  layer = checked_add(layer, checked_mul(3, linear(c.intermediate_size, h, false), kOverflow), kOverflow);  // MLP
+  const int64_t embed = checked_mul(c.vocab_size, h, kOverflow);
+  int64_t total = checked_add(checked_mul(layer, c.num_hidden_layers, kOverflow), embed, kOverflow);
+  total = checked_add(total, h, kOverflow);  // final norm
+  return c.tie_word_embeddings ? total : checked_add(total, embed, kOverflow);
+}
+
+int64_t count_parameters(const QwenVlConfig& c) {
+  return checked_add(language_parameters(c), vision_parameters(c.vision, c.hidden_size), kOverflow);
+}
+
+struct SizeField {
+  const char* name;
+  int64_t value;
+  int64_t max;
+};
+
+void check_size_bounds(const QwenVlConfig& c) {
+  const QwenVisionConfig& v = c.vision;
+  const SizeField sizes[] = {
+      {"hidden_size", c.hidden_size, Limits::kMaxHiddenSize},
+      {"num_hidden_layers", c.num_hidden_layers, Limits::kMaxLayers},
+      {"num_attention_heads", c.num_attention_heads, Limits::kMaxHeads},
+      {"num_key_value_heads", c.num_key_value_heads, Limits::kMaxHeads},
+      {"head_dim", c.head_dim, Limits::kMaxHeadDim},
+      {"intermediate_size", c.intermediate_size, Limits::kMaxIntermediateSize},
+      {"vocab_size", c.vocab_size, Limits::kMaxVocabSize},
+      {"max_position_embeddings", c.max_position_embeddings, Limits::kMaxPositionEmbeddings},
+      {"vision_config.depth", v.depth, Limits::kMaxLayers},
+      {"vision_config.embed_dim", v.embed_dim, Limits::kMaxHiddenSize},
+      {"vision_config.num_heads", v.num_heads, Limits::kMaxHeads},
+      {"vision_config.mlp_ratio", v.mlp_ratio, Limits::kMaxMlpRatio},
+      {"vision_config.in_channels", v.in_channels, Limits::kMaxInChannels},
+      {"vision_config.patch_size", v.patch_size, Limits::kMaxPatchSize},
+      {"vision_config.temporal_patch_size", v.temporal_patch_size, Limits::kMaxTemporalPatchSize},
+      {"vision_config.spatial_merge_size", v.spatial_merge_size, Limits::kMaxSpatialMergeSize},
+      {"vision_config.hidden_size", v.hidden_size, Limits::kMaxHiddenSize},
+  };
+  for (const SizeField& f : sizes) {
+    VLMGEN_CHECK(f.value >= 1 && f.value <= f.max, "config {} is {}, expected 1 to {} (QwenVlConfigLimits)", f.name,
+                 f.value, f.max);
+  }
+}
+
+}  // namespace
+
+void QwenVlConfig::validate() const {
+  check_size_bounds(*this);  // first: everything below may multiply and add these
+  VLMGEN_CHECK(rms_norm_eps > 0 && std::isfinite(rms_norm_eps), "config rms_norm_eps must be positive, got {}",
+               rms_norm_eps);
+  VLMGEN_CHECK(rope_theta > 0 && std::isfinite(rope_theta), "config rope_theta must be positive, got {}", rope_theta);
+  VLMGEN_CHECK(num_attention_heads % num_key_value_heads == 0,
+               "config num_attention_heads {} is not a multiple of num_key_value_heads {}", num_attention_heads,
+               num_key_value_heads);
+  VLMGEN_CHECK(head_dim % 2 == 0, "config head_dim must be even for rotary embeddings, got {}", head_dim);
+  // M-RoPE splits the rotary half of head_dim into temporal, height and width sections.
+  VLMGEN_CHECK(mrope_section.size() == 3, "config mrope_section must have 3 entries (temporal, height, width), got {}",
+               mrope_section.size());
+  int64_t section_sum = 0;
+  for (int64_t s : mrope_section) {
+    // Bounded before summing, so that three entries near 2^62 cannot wrap into head_dim / 2.
+    VLMGEN_CHECK(s > 0 && s <= head_dim / 2, "config mrope_section entries must be in [1, head_dim / 2 = {}], got {}",
+                 head_dim / 2, mrope_section);
+    section_sum += s;
+  }
+  VLMGEN_CHECK(section_sum == head_dim / 2, "config mrope_section {} sums to {}, expected head_dim / 2 = {}",
+               mrope_section, section_sum, head_dim / 2);
+  VLMGEN_CHECK(vision.embed_dim % vision.num_heads == 0,
+               "config vision embed_dim {} is not divisible by vision num_heads {}", vision.embed_dim,
+               vision.num_heads);
+  VLMGEN_CHECK(vision.hidden_size == hidden_size,
+               "config vision_config.hidden_size {} must equal the LM hidden_size {}", vision.hidden_size, hidden_size);
+  const std::pair<const char*, int64_t> token_ids[] = {
+      {"image_token_id", image_token_id},
+      {"video_token_id", video_token_id},
+      {"vision_start_token_id", vision_start_token_id},
+      {"vision_end_token_id", vision_end_token_id},
+  };
+  for (const auto& [name, id] : token_ids) {
+    VLMGEN_CHECK(id >= 0 && id < vocab_size, "config {} {} is outside the vocabulary [0, {})", name, id, vocab_size);
+  }
+  const int64_t parameters = count_parameters(*this);
+  VLMGEN_CHECK(parameters <= Limits::kMaxParameters,
+               "config describes {} weights, above the limit of {} (QwenVlConfigLimits::kMaxParameters)", parameters,
+               Limits::kMaxParameters);
+}
+
+int64_t QwenVlConfig::parameter_count() const {
+  validate();
+  return count_parameters(*this);
+}
+
+}  // namespace vlmgen
