@@ -13,7 +13,6 @@
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -22,6 +21,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
@@ -145,8 +145,8 @@ double measure_copy_bandwidth() {
 
 /// Plain text tokens: below every special id of the config.
 std::vector<int64_t> text_prompt(int64_t length, const QwenVlConfig& c, uint64_t seed) {
-  const int64_t limit = std::min({c.vocab_size, c.image_token_id, c.video_token_id, c.vision_start_token_id,
-                                  c.vision_end_token_id});
+  const int64_t limit =
+      std::min({c.vocab_size, c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id});
   std::vector<int64_t> p(static_cast<size_t>(length));
   uint64_t x = seed;
   for (auto& t : p) {
@@ -194,8 +194,8 @@ int run_report(bool quick, const std::string& json_path, int threads) {
   auto t_build = Clock::now();
   Qwen2Vl big(config_100m(), 1);
   const int64_t lm_params = count_params(big, true);
-  fmt::print("100M config: {:.1f}M LM parameters, {:.1f}M in the vision tower (built in {:.1f} s)\n",
-             lm_params / 1e6, (count_params(big, false) - lm_params) / 1e6, seconds_since(t_build));
+  fmt::print("100M config: {:.1f}M LM parameters, {:.1f}M in the vision tower (built in {:.1f} s)\n", lm_params / 1e6,
+             (count_params(big, false) - lm_params) / 1e6, seconds_since(t_build));
   out["lm_parameters"] = lm_params;
 
   // 1. Decode time per token against context length.
@@ -222,7 +222,8 @@ int run_report(bool quick, const std::string& json_path, int threads) {
     const int64_t grid_h = 16, grid_w = 16;  // a 224 x 224 image: 256 patches, 64 LM tokens
     const int64_t tokens = grid_h * grid_w / 4;
     at::Tensor pixels = at::rand({grid_h * grid_w, 3 * 2 * 14 * 14});
-    auto vision = VisionInputs::patch_flattened(pixels, at::tensor(std::vector<int64_t>{1, grid_h, grid_w}, at::kLong).view({1, 3}));
+    auto vision = VisionInputs::patch_flattened(
+        pixels, at::tensor(std::vector<int64_t>{1, grid_h, grid_w}, at::kLong).view({1, 3}));
     std::vector<int64_t> prompt = text_prompt(16, c, 5);
     prompt.push_back(c.vision_start_token_id);
     prompt.insert(prompt.end(), static_cast<size_t>(tokens), c.image_token_id);
@@ -247,7 +248,8 @@ int run_report(bool quick, const std::string& json_path, int threads) {
     const double cached = timed_run(prompt, vision, true);
     const double text_only = timed_run(text, {}, true);
     fmt::print("\nno-cache generation, {} tokens after a {}-token prompt with a 224x224 image\n", steps, prompt.size());
-    fmt::print("  pixels replayed (vision tower every step) {:>8.3f} s  ({:.2f}x text-only)\n", replay, replay / text_only);
+    fmt::print("  pixels replayed (vision tower every step) {:>8.3f} s  ({:.2f}x text-only)\n", replay,
+               replay / text_only);
     fmt::print("  encoder cache (tower once)                {:>8.3f} s  ({:.2f}x text-only, target <= 1.1x)\n", cached,
                cached / text_only);
     fmt::print("  text-only prompt of the same length       {:>8.3f} s\n", text_only);
@@ -324,8 +326,8 @@ void BM_FindImageSpans(benchmark::State& state) {
 BENCHMARK(BM_FindImageSpans);
 
 void BM_SelectImages(benchmark::State& state) {
-  auto v = VisionInputs::patch_flattened(at::rand({4 * 1024, 1176}),
-                                         at::tensor({1, 32, 32, 1, 32, 32, 1, 32, 32, 1, 32, 32}, at::kLong).view({4, 3}));
+  auto v = VisionInputs::patch_flattened(
+      at::rand({4 * 1024, 1176}), at::tensor({1, 32, 32, 1, 32, 32, 1, 32, 32, 1, 32, 32}, at::kLong).view({4, 3}));
   for (auto _ : state) benchmark::DoNotOptimize(v.select({1, 3}));
 }
 BENCHMARK(BM_SelectImages);

@@ -3,9 +3,9 @@
 //
 //   vlmgen-make-tiny-checkpoint --out /tmp/tiny-qwen2vl [--seed 7] [--tied]
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <CLI/CLI.hpp>
 #include <string>
 
 #include "vlmgen/error.h"

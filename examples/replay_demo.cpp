@@ -54,8 +54,9 @@ int main(int argc, char** argv) {
   // "describe" <image: 4 placeholders> "please": one image of grid (1, 4, 4) merged 2x2.
   std::vector<int64_t> prompt = {5, 17, image, image, image, image, 23};
   at::Generator gen = vlmgen::detail::make_cpu_generator(2024);
-  auto vision = vlmgen::VisionInputs::patch_flattened(at::rand({16, 12}, gen), at::tensor({1, 4, 4}, at::kLong).view({1, 3}),
-                                                      at::tensor({56, 56}, at::kLong).view({1, 2}));
+  auto vision =
+      vlmgen::VisionInputs::patch_flattened(at::rand({16, 12}, gen), at::tensor({1, 4, 4}, at::kLong).view({1, 3}),
+                                            at::tensor({56, 56}, at::kLong).view({1, 2}));
 
   const Arm arms[] = {
       {"KV cache, span-aware replay", true, vlmgen::ReplayMode::kSpanAware, false},
@@ -67,21 +68,18 @@ int main(int argc, char** argv) {
   for (const Arm& arm : arms) {
     vlmgen::testing::ForwardSpy spy(model);
     vlmgen::Generator generator(spy, vlmgen::ParallelContext::single().sequence_parallel(arm.sequence_parallel));
-    auto config = vlmgen::GenerationConfig()
-                      .max_new_tokens(new_tokens)
-                      .enable_kv_cache(arm.kv_cache)
-                      .replay_mode(arm.mode);
+    auto config =
+        vlmgen::GenerationConfig().max_new_tokens(new_tokens).enable_kv_cache(arm.kv_cache).replay_mode(arm.mode);
     std::fflush(stdout);  // keep the fallback warning (stderr) next to its arm
     auto result = generator.generate({{prompt}, vision}, config);
     fmt::print("\n== {} ==\n", arm.name);
-    fmt::print("{:>4}  {:>9}  {:>5}  {:>14}  {:>8}  {:>8}\n", "step", "window", "cache", "pixel_values",
-               "grid_thw", "sizes");
+    fmt::print("{:>4}  {:>9}  {:>5}  {:>14}  {:>8}  {:>8}\n", "step", "window", "cache", "pixel_values", "grid_thw",
+               "sizes");
     for (const auto& c : spy.calls()) {
-      fmt::print("{:>4}  {:>9}  {:>5}  {:>14}  {:>8}  {:>8}\n", c.step,
-                 fmt::format("[{},{})", c.window_start, c.window_end), c.had_context ? "yes" : "no",
-                 vlmgen::testing::format_shape(c.pixel_values_shape),
-                 vlmgen::testing::format_shape(c.image_grid_thw_shape),
-                 vlmgen::testing::format_shape(c.image_sizes_shape));
+      fmt::print(
+          "{:>4}  {:>9}  {:>5}  {:>14}  {:>8}  {:>8}\n", c.step, fmt::format("[{},{})", c.window_start, c.window_end),
+          c.had_context ? "yes" : "no", vlmgen::testing::format_shape(c.pixel_values_shape),
+          vlmgen::testing::format_shape(c.image_grid_thw_shape), vlmgen::testing::format_shape(c.image_sizes_shape));
     }
     fmt::print("tokens: [{}]\n", fmt::join(result.sequences[0].tokens, ", "));
     outputs.push_back(result.sequences[0].tokens);

@@ -4,6 +4,12 @@
 #   bash scripts/check-format.sh --fix   # rewrites them in place
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v clang-format >/dev/null; then
+  sudo_cmd=()
+  if [ "$(id -u)" != 0 ]; then sudo_cmd=(sudo); fi
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends clang-format
+fi
 mapfile -t files < <(git ls-files '*.h' '*.cpp' '*.hpp' '*.cc')
 if [ "${1:-}" = "--fix" ]; then
   clang-format -i "${files[@]}"

@@ -23,12 +23,12 @@
 #include <string>
 #include <vector>
 
+#include "shapes/shapes_data.h"
+#include "shapes/shapes_model.h"
 #include "vlmgen/detail/torch_compat.h"
 #include "vlmgen/error.h"
 #include "vlmgen/generator.h"
 #include "vlmgen/image/qwen_image_processor.h"
-#include "shapes/shapes_data.h"
-#include "shapes/shapes_model.h"
 
 #ifndef VLMGEN_SOURCE_DIR
 #define VLMGEN_SOURCE_DIR "."

@@ -26,12 +26,12 @@
 #include <utility>
 #include <vector>
 
-#include "vlmgen/error.h"
-#include "vlmgen/generator.h"
-#include "vlmgen/models/qwen2_vl.h"
 #include "shapes/shapes_data.h"
 #include "shapes/shapes_model.h"
 #include "shapes/word_tokenizer.h"
+#include "vlmgen/error.h"
+#include "vlmgen/generator.h"
+#include "vlmgen/models/qwen2_vl.h"
 
 namespace {
 

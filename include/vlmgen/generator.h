@@ -57,19 +57,19 @@ using TokenCallback = std::function<bool(const TokenEvent&)>;
 
 // Setters chain on lvalues (returning a reference) and on temporaries (returning the value, so
 // `const auto& c = GenerationConfig().seed(1);` does not dangle).
-#define VLMGEN_OPTION(Type, name, ...)                                      \
- public:                                                                    \
-  auto name(Type value)&->decltype(*this) {                                 \
-    name##_ = std::move(value);                                             \
-    return *this;                                                           \
-  }                                                                         \
-  auto name(Type value)&&->std::remove_reference_t<decltype(*this)> {       \
-    name##_ = std::move(value);                                             \
-    return std::move(*this);                                                \
-  }                                                                         \
-  const Type& name() const { return name##_; }                              \
-                                                                            \
- private:                                                                   \
+#define VLMGEN_OPTION(Type, name, ...)                                \
+ public:                                                              \
+  auto name(Type value)&->decltype(*this) {                           \
+    name##_ = std::move(value);                                       \
+    return *this;                                                     \
+  }                                                                   \
+  auto name(Type value)&&->std::remove_reference_t<decltype(*this)> { \
+    name##_ = std::move(value);                                       \
+    return std::move(*this);                                          \
+  }                                                                   \
+  const Type& name() const { return name##_; }                        \
+                                                                      \
+ private:                                                             \
   Type name##_ = __VA_ARGS__;
 
 /// Options of one generate call, with chaining setters. Checked by generate(), which throws
@@ -187,9 +187,9 @@ struct SequenceOutput : RowScores {
 struct GenerationStats {
   bool used_kv_cache = false;
   int64_t forward_calls = 0;
-  int64_t prompt_columns = 0;     ///< left-padded prompt length
-  int64_t generated_tokens = 0;   ///< over all rows
-  int64_t images_encoded = 0;     ///< vision tower runs through the encoder cache (images)
+  int64_t prompt_columns = 0;    ///< left-padded prompt length
+  int64_t generated_tokens = 0;  ///< over all rows
+  int64_t images_encoded = 0;    ///< vision tower runs through the encoder cache (images)
   double time_to_first_token_s = 0.0;
   double decode_tokens_per_s = 0.0;  ///< tokens after each row's first, per second
   double total_s = 0.0;
@@ -249,7 +249,8 @@ inline bool contains(const std::vector<int64_t>& ids, int64_t id) {
 
 /// Everything one generate call checks before the first forward call, so that bad input
 /// never leaves half-done state behind.
-inline void validate_request(const GenerateRequest& request, const GenerationConfig& config, const ModelTraits& traits) {
+inline void validate_request(const GenerateRequest& request, const GenerationConfig& config,
+                             const ModelTraits& traits) {
   VLMGEN_CHECK(traits.vocab_size > 0, "the model reports vocab_size {}; expected > 0", traits.vocab_size);
   VLMGEN_CHECK(!request.prompts.empty(), "the batch is empty: expected at least one prompt");
   VLMGEN_CHECK(config.max_new_tokens() >= 0, "max_new_tokens must be >= 0, got {}", config.max_new_tokens());
@@ -281,8 +282,8 @@ inline void validate_request(const GenerateRequest& request, const GenerationCon
                  r, p.size(), config.max_new_tokens(), max_columns, traits.max_sequence_length,
                  GenerationConfig::kMaxSequenceColumns);
     for (size_t i = 0; i < p.size(); ++i) {
-      VLMGEN_CHECK(p[i] >= 0 && p[i] < traits.vocab_size,
-                   "prompt {} token {} is {}, outside the vocabulary [0, {})", r, i, p[i], traits.vocab_size);
+      VLMGEN_CHECK(p[i] >= 0 && p[i] < traits.vocab_size, "prompt {} token {} is {}, outside the vocabulary [0, {})", r,
+                   i, p[i], traits.vocab_size);
       VLMGEN_CHECK(!traits.video_token_id || p[i] != *traits.video_token_id,
                    "prompt {} holds a video placeholder (token {} at {}); videos are not supported yet", r, p[i], i);
     }
@@ -340,11 +341,11 @@ inline ContentHash request_digest(const GenerateRequest& request, const Generati
   };
   ids(c.end_token_ids());
   ids(c.stop_token_ids());
-  for (int64_t v : {c.max_new_tokens(), c.pad_token_id(), c.top_k(), c.prefill_chunk_size(),
-                    static_cast<int64_t>(c.replay_mode()), int64_t{c.enable_kv_cache()}, int64_t{c.return_logprobs()},
-                    int64_t{c.encoder_cache()}, int64_t{c.allow_placeholder_tokens()}, int64_t{c.full_logits()},
-                    int64_t{c.check_pixel_values()}, static_cast<int64_t>(c.seed()), int64_t{c.prompt_logprobs()},
-                    c.top_logprobs(), int64_t{c.return_logits()}}) {
+  for (int64_t v :
+       {c.max_new_tokens(), c.pad_token_id(), c.top_k(), c.prefill_chunk_size(), static_cast<int64_t>(c.replay_mode()),
+        int64_t{c.enable_kv_cache()}, int64_t{c.return_logprobs()}, int64_t{c.encoder_cache()},
+        int64_t{c.allow_placeholder_tokens()}, int64_t{c.full_logits()}, int64_t{c.check_pixel_values()},
+        static_cast<int64_t>(c.seed()), int64_t{c.prompt_logprobs()}, c.top_logprobs(), int64_t{c.return_logits()}}) {
     sha.update_int(v);
   }
   for (double v : {c.temperature(), c.top_p()}) sha.update(&v, sizeof v);
@@ -426,8 +427,7 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
   at::Tensor mask = at::zeros({batch, total}, at::kLong);                          // [B, total]
   for (int64_t b = 0; b < batch; ++b) {
     const auto& p = request.prompts[b];
-    tokens[b].narrow(0, pads[b], static_cast<int64_t>(p.size()))
-        .copy_(at::tensor(p, at::kLong));
+    tokens[b].narrow(0, pads[b], static_cast<int64_t>(p.size())).copy_(at::tensor(p, at::kLong));
     mask[b].narrow(0, pads[b], static_cast<int64_t>(p.size())).fill_(1);
   }
   if (max_new > 0) mask.narrow(1, prompt_len, max_new).fill_(1);
@@ -466,19 +466,22 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
         if (differs.any().item<bool>()) {
           at::Tensor where = differs.nonzero()[0];
           const int64_t r = where[0].item<int64_t>(), c = where[1].item<int64_t>();
-          VLMGEN_FAIL("the context's cached columns differ from the prompt at row {} column {} (cached token {} mask "
-                      "{}, prompt token {} mask {}); a continuation must repeat the cached prefix exactly, with the "
-                      "same left padding",
-                      r, c, context->tokens()[r][c].item<int64_t>(), context->attention_mask()[r][c].item<int64_t>(),
-                      tokens[r][c].item<int64_t>(), mask[r][c].item<int64_t>());
+          VLMGEN_FAIL(
+              "the context's cached columns differ from the prompt at row {} column {} (cached token {} mask "
+              "{}, prompt token {} mask {}); a continuation must repeat the cached prefix exactly, with the "
+              "same left padding",
+              r, c, context->tokens()[r][c].item<int64_t>(), context->attention_mask()[r][c].item<int64_t>(),
+              tokens[r][c].item<int64_t>(), mask[r][c].item<int64_t>());
         }
         // Same tokens are not enough: the cached images must be the request's images.
         for (const CachedImage& held : context->cached_images()) {
           auto it = std::find_if(spans.begin(), spans.end(), [&](const ImageSpan& s) {
             return s.row == held.row && s.begin == held.begin && s.end == held.end;
           });
-          VLMGEN_CHECK(it != spans.end(), "the context holds an image at row {} columns [{}, {}) but the request has none "
-                       "there", held.row, held.begin, held.end);
+          VLMGEN_CHECK(it != spans.end(),
+                       "the context holds an image at row {} columns [{}, {}) but the request has none "
+                       "there",
+                       held.row, held.begin, held.end);
           VLMGEN_CHECK(fingerprints.at(static_cast<size_t>(it->image)) == held.fingerprint,
                        "the request's image {} (row {} columns [{}, {})) is not the picture cached there; a "
                        "continuation must bring the same images, or truncate the context before them",
@@ -495,8 +498,8 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
         }
       }
     } else {
-      own_context = InferenceContext::allocate(traits.kv_cache, batch, std::max<int64_t>(fed_columns, 1),
-                                               model_.device());
+      own_context =
+          InferenceContext::allocate(traits.kv_cache, batch, std::max<int64_t>(fed_columns, 1), model_.device());
       context = own_context.get();
     }
   }
@@ -534,8 +537,8 @@ inline GenerationResult Generator::generate_unguarded(const GenerateRequest& req
   // Device copies of tokens, mask and positions, kept in step with the host masters one column
   // at a time, so no step copies the whole prefix (aliases on CPU).
   const bool on_host = device.is_cpu();
-  at::Tensor tokens_dev = on_host ? tokens : tokens.to(device);        // [B, total]
-  at::Tensor mask_dev = on_host ? mask : mask.to(device);              // [B, total]
+  at::Tensor tokens_dev = on_host ? tokens : tokens.to(device);  // [B, total]
+  at::Tensor mask_dev = on_host ? mask : mask.to(device);        // [B, total]
   const at::Tensor positions_dev = on_host ? positions : positions.to(device);
   auto run_window = [&](int64_t start, int64_t end, int64_t step) {
     std::vector<int64_t> images = policy.images_for_window({start, end}, spans, step);

@@ -25,12 +25,11 @@ struct ImageSpan {
 /// image i being `tokens_per_image[i]`; adjacent images may share one run of placeholders.
 /// `column_offset[r]` (optional) is added to row r's columns, e.g. its left padding.
 /// Throws vlmgen::Error when the counts disagree: the message gives both numbers.
-inline std::vector<ImageSpan> find_image_spans(const std::vector<std::vector<int64_t>>& rows,
-                                               int64_t image_token_id,
+inline std::vector<ImageSpan> find_image_spans(const std::vector<std::vector<int64_t>>& rows, int64_t image_token_id,
                                                const std::vector<int64_t>& tokens_per_image,
                                                const std::vector<int64_t>& column_offset = {}) {
-  VLMGEN_CHECK(column_offset.empty() || column_offset.size() == rows.size(),
-               "column_offset has {} entries for {} rows", column_offset.size(), rows.size());
+  VLMGEN_CHECK(column_offset.empty() || column_offset.size() == rows.size(), "column_offset has {} entries for {} rows",
+               column_offset.size(), rows.size());
   int64_t placeholders = 0;
   for (const auto& row : rows) {
     for (int64_t t : row) placeholders += (t == image_token_id);
@@ -59,15 +58,14 @@ inline std::vector<ImageSpan> find_image_spans(const std::vector<std::vector<int
       int64_t pos = i;
       while (pos < run_end) {
         VLMGEN_CHECK(next_image < tokens_per_image.size(),
-                     "row {}: placeholder run at columns [{}, {}) holds more images than the bundle's {}", r,
-                     i, run_end, tokens_per_image.size());
+                     "row {}: placeholder run at columns [{}, {}) holds more images than the bundle's {}", r, i,
+                     run_end, tokens_per_image.size());
         const int64_t need = tokens_per_image[next_image];
         VLMGEN_CHECK(need > 0, "image {} has {} placeholder tokens; expected a positive count", next_image, need);
         VLMGEN_CHECK(pos + need <= run_end,
-                     "row {}: image {} needs {} placeholder tokens but its run at columns [{}, {}) has {} left",
-                     r, next_image, need, i, run_end, run_end - pos);
-        spans.push_back({static_cast<int64_t>(next_image), static_cast<int64_t>(r), pos + offset,
-                         pos + need + offset});
+                     "row {}: image {} needs {} placeholder tokens but its run at columns [{}, {}) has {} left", r,
+                     next_image, need, i, run_end, run_end - pos);
+        spans.push_back({static_cast<int64_t>(next_image), static_cast<int64_t>(r), pos + offset, pos + need + offset});
         pos += need;
         ++next_image;
       }

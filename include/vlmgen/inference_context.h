@@ -3,8 +3,8 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <memory>
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -33,8 +33,8 @@ struct KvCacheSpec {
 /// pixels (VisionInputs::fingerprints), so a continuation can be checked to bring the same image.
 struct CachedImage {
   int64_t row = 0;
-  int64_t begin = 0;  ///< first placeholder column
-  int64_t end = 0;    ///< one past the last
+  int64_t begin = 0;          ///< first placeholder column
+  int64_t end = 0;            ///< one past the last
   ContentHash fingerprint{};  ///< VisionInputs::fingerprints of the picture
 };
 
@@ -70,12 +70,12 @@ class InferenceContext {
   /// failure becomes a vlmgen::Error naming the bytes, instead of the allocator's own error.
   static std::unique_ptr<InferenceContext> allocate(const KvCacheSpec& spec, int64_t batch, int64_t capacity,
                                                     at::Device device = at::kCPU) {
-    int64_t bytes = detail::checked_mul(detail::checked_mul(spec.num_layers, 2, "KV cache bytes"),
-                                        detail::checked_mul(spec.num_kv_heads, spec.head_dim, "KV cache bytes"),
-                                        "KV cache bytes");
-    bytes = detail::checked_mul(detail::checked_mul(bytes, static_cast<int64_t>(c10::elementSize(spec.dtype)),
-                                                    "KV cache bytes"),
-                                detail::checked_mul(batch, capacity, "KV cache bytes"), "KV cache bytes");
+    int64_t bytes =
+        detail::checked_mul(detail::checked_mul(spec.num_layers, 2, "KV cache bytes"),
+                            detail::checked_mul(spec.num_kv_heads, spec.head_dim, "KV cache bytes"), "KV cache bytes");
+    bytes = detail::checked_mul(
+        detail::checked_mul(bytes, static_cast<int64_t>(c10::elementSize(spec.dtype)), "KV cache bytes"),
+        detail::checked_mul(batch, capacity, "KV cache bytes"), "KV cache bytes");
     try {
       return std::make_unique<InferenceContext>(spec, batch, capacity, device);
     } catch (const c10::Error& e) {
@@ -142,8 +142,8 @@ class InferenceContext {
   /// Generator side, after a forward call: the window's token ids and attention mask
   /// ([batch, S]) are now cached.
   void commit(const at::Tensor& input_ids, const at::Tensor& mask) {
-    VLMGEN_CHECK(input_ids.dim() == 2 && input_ids.size(0) == batch_, "commit expects [{}, S] token ids, got {}", batch_,
-                 detail::shape_str(input_ids));
+    VLMGEN_CHECK(input_ids.dim() == 2 && input_ids.size(0) == batch_, "commit expects [{}, S] token ids, got {}",
+                 batch_, detail::shape_str(input_ids));
     VLMGEN_CHECK(mask.sizes() == input_ids.sizes(), "commit mask {} must match token ids {}", detail::shape_str(mask),
                  detail::shape_str(input_ids));
     const int64_t s = input_ids.size(1);
@@ -160,10 +160,10 @@ class InferenceContext {
 
   /// Generator side: an image whose placeholders are now in the committed columns.
   void record_image(const CachedImage& image) {
-    VLMGEN_CHECK(image.row >= 0 && image.row < batch_ && image.begin >= 0 && image.begin < image.end &&
-                     image.end <= length_,
-                 "cached image at row {} columns [{}, {}) is outside the committed rows [0, {}) x columns [0, {})", image.row,
-                 image.begin, image.end, batch_, length_);
+    VLMGEN_CHECK(
+        image.row >= 0 && image.row < batch_ && image.begin >= 0 && image.begin < image.end && image.end <= length_,
+        "cached image at row {} columns [{}, {}) is outside the committed rows [0, {}) x columns [0, {})", image.row,
+        image.begin, image.end, batch_, length_);
     images_.push_back(image);
   }
   /// Images recorded in the committed columns, in the order they were committed.

@@ -55,10 +55,8 @@ class ReplayPolicy {
   /// Ascending indices of the images to send for `window` at generation `step`. Under
   /// kSpanAware a span cut by the window is an error unless partial spans are allowed, since
   /// the model would get an embedding count that disagrees with the placeholders it sees.
-  std::vector<int64_t> images_for_window(TokenWindow window, const std::vector<ImageSpan>& spans,
-                                         int64_t step) const {
-    VLMGEN_CHECK(window.start >= 0 && window.end >= window.start, "invalid window [{}, {})", window.start,
-                 window.end);
+  std::vector<int64_t> images_for_window(TokenWindow window, const std::vector<ImageSpan>& spans, int64_t step) const {
+    VLMGEN_CHECK(window.start >= 0 && window.end >= window.start, "invalid window [{}, {})", window.start, window.end);
     std::vector<int64_t> images;
     switch (mode_) {
       case ReplayMode::kAlways:

@@ -6,8 +6,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <optional>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 #include "vlmgen/content_hash.h"
@@ -43,8 +43,7 @@ struct VisionInputs {
   at::Tensor image_sizes;
   VisionLayout layout = VisionLayout::kPatchFlattened;
 
-  static VisionInputs patch_flattened(at::Tensor pixel_values, at::Tensor image_grid_thw,
-                                      at::Tensor image_sizes = {}) {
+  static VisionInputs patch_flattened(at::Tensor pixel_values, at::Tensor image_grid_thw, at::Tensor image_sizes = {}) {
     VisionInputs v;
     v.pixel_values = std::move(pixel_values);
     v.image_grid_thw = std::move(image_grid_thw);
@@ -62,9 +61,7 @@ struct VisionInputs {
   }
 
   /// True when no vision tensor is set.
-  bool empty() const {
-    return !pixel_values.defined() && !image_grid_thw.defined() && !image_sizes.defined();
-  }
+  bool empty() const { return !pixel_values.defined() && !image_grid_thw.defined() && !image_sizes.defined(); }
 
   /// Number of images in the bundle (0 when empty). Does not validate.
   int64_t num_images() const {
@@ -98,21 +95,22 @@ struct VisionInputs {
     VLMGEN_CHECK(spatial_merge_size >= 1 && spatial_merge_size <= kMaxSpatialMergeSize,
                  "spatial_merge_size must be in [1, {}], got {}", kMaxSpatialMergeSize, spatial_merge_size);
     VLMGEN_CHECK(pixel_values.defined(), "the vision bundle has image_grid_thw/image_sizes but no pixel_values");
-    VLMGEN_CHECK(at::isFloatingType(pixel_values.scalar_type()),
-                 "pixel_values must be a floating-point tensor, got {}",
+    VLMGEN_CHECK(at::isFloatingType(pixel_values.scalar_type()), "pixel_values must be a floating-point tensor, got {}",
                  c10::toString(pixel_values.scalar_type()));
     const int64_t n = num_images();
     if (layout == VisionLayout::kPatchFlattened) {
-      VLMGEN_CHECK(pixel_values.dim() == 2, "pixel_values must be [patches, patch_dim] for the patch-flattened layout, got {}",
+      VLMGEN_CHECK(pixel_values.dim() == 2,
+                   "pixel_values must be [patches, patch_dim] for the patch-flattened layout, got {}",
                    detail::shape_str(pixel_values));
       auto g = grids();
       int64_t rows = 0;
       for (size_t i = 0; i < g.size(); ++i) {
         const auto [t, h, w] = g[i];
-        VLMGEN_CHECK(t >= 1 && h >= 1 && w >= 1, "image {}: grid (t, h, w) = ({}, {}, {}) must be positive", i, t, h, w);
+        VLMGEN_CHECK(t >= 1 && h >= 1 && w >= 1, "image {}: grid (t, h, w) = ({}, {}, {}) must be positive", i, t, h,
+                     w);
         VLMGEN_CHECK(h % spatial_merge_size == 0 && w % spatial_merge_size == 0,
-                     "image {}: grid (t, h, w) = ({}, {}, {}) is not divisible by spatial_merge_size {}",
-                     i, t, h, w, spatial_merge_size);
+                     "image {}: grid (t, h, w) = ({}, {}, {}) is not divisible by spatial_merge_size {}", i, t, h, w,
+                     spatial_merge_size);
         rows = detail::checked_add(rows, patch_rows(g[i]), "image_grid_thw: total patch rows");
       }
       VLMGEN_CHECK(pixel_values.size(0) == rows,
@@ -128,8 +126,8 @@ struct VisionInputs {
       }
     }
     if (image_sizes.defined()) {
-      VLMGEN_CHECK(image_sizes.dim() == 2 && image_sizes.size(1) == 2,
-                   "image_sizes must be [num_images, 2], got {}", detail::shape_str(image_sizes));
+      VLMGEN_CHECK(image_sizes.dim() == 2 && image_sizes.size(1) == 2, "image_sizes must be [num_images, 2], got {}",
+                   detail::shape_str(image_sizes));
       VLMGEN_CHECK(detail::is_integral(image_sizes), "image_sizes must be an integer tensor, got {}",
                    c10::toString(image_sizes.scalar_type()));
       VLMGEN_CHECK(image_sizes.size(0) == n, "image_sizes has {} rows but the bundle has {} images",
@@ -167,9 +165,10 @@ struct VisionInputs {
                    "spatial_merge_size must be in [1, {}], got {}", kMaxSpatialMergeSize, spatial_merge_size);
       for (const auto& g : grids()) counts.push_back(patch_rows(g) / (spatial_merge_size * spatial_merge_size));
     } else {
-      VLMGEN_CHECK(tokens_per_image > 0,
-                   "per-image vision layout needs a placeholder count per image from the model (tokens_per_image), got {}",
-                   tokens_per_image);
+      VLMGEN_CHECK(
+          tokens_per_image > 0,
+          "per-image vision layout needs a placeholder count per image from the model (tokens_per_image), got {}",
+          tokens_per_image);
       counts.assign(static_cast<size_t>(num_images()), tokens_per_image);
     }
     return counts;

@@ -20,8 +20,8 @@ std::string build_info() {
   constexpr bool gloo = false;
 #endif
   return fmt::format("vlmgen {}.{}.{}, LibTorch {}, CUDA {}, NCCL {}, Gloo {}", VLMGEN_VERSION_MAJOR,
-                     VLMGEN_VERSION_MINOR, VLMGEN_VERSION_PATCH, detail::torch_version(),
-                     at::hasCUDA() ? "yes" : "no", nccl ? "yes" : "no", gloo ? "yes" : "no");
+                     VLMGEN_VERSION_MINOR, VLMGEN_VERSION_PATCH, detail::torch_version(), at::hasCUDA() ? "yes" : "no",
+                     nccl ? "yes" : "no", gloo ? "yes" : "no");
 }
 
 }  // namespace vlmgen

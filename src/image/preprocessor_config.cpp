@@ -32,9 +32,10 @@ void check_type(const Json& j, const std::string& what) {
   for (const char* known : {"Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2_5_VLImageProcessor"}) {
     if (type == known) return;
   }
-  VLMGEN_FAIL("{}: image_processor_type {} is not supported; expected Qwen2VLImageProcessor(Fast) or "
-              "Qwen2_5_VLImageProcessor",
-              what, quote_excerpt(type));
+  VLMGEN_FAIL(
+      "{}: image_processor_type {} is not supported; expected Qwen2VLImageProcessor(Fast) or "
+      "Qwen2_5_VLImageProcessor",
+      what, quote_excerpt(type));
 }
 
 void read_pixel_bounds(const Json& j, QwenImageProcessorOptions& options) {

@@ -173,8 +173,7 @@ std::pair<int64_t, int64_t> smart_resize(int64_t height, int64_t width, int64_t 
                Limits::kMaxSide);
   // Sides below `factor` are taken, as HF's processor takes them today: they round to 0, and
   // the enlarge branch below brings the area up to min_pixels (older HF versions refused them).
-  VLMGEN_CHECK(height >= 1 && width >= 1, "smart_resize: height {} and width {} must both be positive", height,
-               width);
+  VLMGEN_CHECK(height >= 1 && width >= 1, "smart_resize: height {} and width {} must both be positive", height, width);
   const double ratio = static_cast<double>(std::max(height, width)) / static_cast<double>(std::min(height, width));
   VLMGEN_CHECK(ratio <= 200.0, "smart_resize: the aspect ratio of a {}x{} (height x width) image is {:.1f}, above 200",
                height, width, ratio);

@@ -46,8 +46,7 @@ at::Tensor pad_sequence(const at::Tensor& x, int64_t length) {
 }  // namespace
 
 at::Tensor Qwen2Vl::run_language_model(at::Tensor x, const at::Tensor& position_ids, const at::Tensor& attention_mask,
-                                       int64_t window_start, InferenceContext* context,
-                                       bool last_column_only) const {
+                                       int64_t window_start, InferenceContext* context, bool last_column_only) const {
   const QwenVlConfig& c = config_;
   const int64_t b = x.size(0);
   const int64_t s = x.size(1);

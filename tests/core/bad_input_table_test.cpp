@@ -34,7 +34,10 @@ const double kInf = std::numeric_limits<double>::infinity();
 /// whole prompt with an image.
 struct Bench {
   explicit Bench(const FakeVlmOptions& options)
-      : model(options), spy(model), generator(spy), prefix_ctx(model.traits().kv_cache, 1, 64),
+      : model(options),
+        spy(model),
+        generator(spy),
+        prefix_ctx(model.traits().kv_cache, 1, 64),
         image_ctx(model.traits().kv_cache, 1, 64) {
     if (has_images()) {
       const bool framed = options.vision_start_token_id.has_value();
@@ -102,7 +105,10 @@ void token_rows(std::vector<Row>& rows) {
                     fmt::format("prompt 1 token 1 is {}", id)});
   }
   for (int64_t id : {int64_t{-1}, int64_t{64}, kMax}) {
-    rows.push_back({fmt::format("end_id_{}", id), [id](Call& c) { c.config.end_token_ids({5, id}); },
+    rows.push_back({fmt::format("end_id_{}", id),
+                    [id](Call& c) {
+                      c.config.end_token_ids({5, id});
+                    },
                     fmt::format("end token id {} is outside", id)});
     rows.push_back({fmt::format("stop_id_{}", id), [id](Call& c) { c.config.stop_token_ids({id}); },
                     fmt::format("stop token id {} is outside", id)});
@@ -159,33 +165,47 @@ void pixel_rows(std::vector<Row>& rows) {
                       "pixel_values must be finite"});
     }
   }
-  rows.push_back({"pixel_values_integer", [](Call& c) { c.request.vision.pixel_values = at::ones({16, 12}, at::kLong); },
+  rows.push_back({"pixel_values_integer",
+                  [](Call& c) {
+                    c.request.vision.pixel_values = at::ones({16, 12}, at::kLong);
+                  },
                   "pixel_values must be a floating-point tensor, got Long"});
   rows.push_back({"pixel_values_1d", [](Call& c) { c.request.vision.pixel_values = at::ones({16}); },
                   "pixel_values must be [patches, patch_dim] for the patch-flattened layout, got [16]"});
-  rows.push_back({"pixel_values_3d", [](Call& c) { c.request.vision.pixel_values = at::ones({16, 3, 4}); },
+  rows.push_back({"pixel_values_3d",
+                  [](Call& c) {
+                    c.request.vision.pixel_values = at::ones({16, 3, 4});
+                  },
                   "got [16, 3, 4]"});
   for (int64_t n : {15, 17, 0}) {
-    rows.push_back({fmt::format("pixel_rows_{}", n), [n](Call& c) { c.request.vision.pixel_values = at::ones({n, 12}); },
+    rows.push_back({fmt::format("pixel_rows_{}", n),
+                    [n](Call& c) {
+                      c.request.vision.pixel_values = at::ones({n, 12});
+                    },
                     fmt::format("pixel_values has {} rows but image_grid_thw needs 16", n)});
   }
-  rows.push_back({"pixel_values_missing", [](Call& c) { c.request.vision.pixel_values = at::Tensor(); },
-                  "no pixel_values"});
+  rows.push_back(
+      {"pixel_values_missing", [](Call& c) { c.request.vision.pixel_values = at::Tensor(); }, "no pixel_values"});
 }
 
 void grid_rows(std::vector<Row>& rows) {
-  auto grid = [](std::vector<int64_t> v) { return [v](Call& c) { c.request.vision.image_grid_thw = at::tensor(v).reshape({1, 3}); }; };
+  auto grid = [](std::vector<int64_t> v) {
+    return [v](Call& c) { c.request.vision.image_grid_thw = at::tensor(v).reshape({1, 3}); };
+  };
   const int64_t big = (int64_t{1} << 62) + 1;
   rows.push_back({"grid_overflow_t", grid({big, 2, 2}), "overflows a 64-bit count"});
   rows.push_back({"grid_overflow_h", grid({2, big - 1, 2}), "overflows a 64-bit count"});
   rows.push_back({"grid_overflow_hw", grid({1, int64_t{1} << 32, int64_t{1} << 32}), "overflows a 64-bit count"});
-  rows.push_back({"grid_overflow_thw", grid({int64_t{1} << 21, int64_t{1} << 22, int64_t{1} << 22}),
-                  "overflows a 64-bit count"});
+  rows.push_back(
+      {"grid_overflow_thw", grid({int64_t{1} << 21, int64_t{1} << 22, int64_t{1} << 22}), "overflows a 64-bit count"});
   rows.push_back({"grid_negative_t", grid({-1, 4, 4}), "(-1, 4, 4) must be positive"});
   rows.push_back({"grid_zero_h", grid({1, 0, 4}), "(1, 0, 4) must be positive"});
   rows.push_back({"grid_negative_pair", grid({1, -4, -4}), "(1, -4, -4) must be positive"});
   rows.push_back({"grid_not_divisible", grid({1, 3, 4}), "is not divisible by spatial_merge_size 2"});
-  rows.push_back({"grid_float", [](Call& c) { c.request.vision.image_grid_thw = at::ones({1, 3}); },
+  rows.push_back({"grid_float",
+                  [](Call& c) {
+                    c.request.vision.image_grid_thw = at::ones({1, 3});
+                  },
                   "image_grid_thw must be an integer tensor, got Float"});
   rows.push_back({"grid_0d", [](Call& c) { c.request.vision.image_grid_thw = at::scalar_tensor(4, at::kLong); },
                   "image_grid_thw must be [num_images, 3], got []"});
@@ -194,11 +214,18 @@ void grid_rows(std::vector<Row>& rows) {
   rows.push_back({"grid_0d_in_a_per_image_bundle",
                   [](Call& c) { c.request.vision.image_grid_thw = at::scalar_tensor(4, at::kLong); },
                   "image_grid_thw must be [num_images, 3], got []", per_image});
-  rows.push_back({"grid_two_columns", [](Call& c) { c.request.vision.image_grid_thw = at::ones({1, 2}, at::kLong); },
+  rows.push_back({"grid_two_columns",
+                  [](Call& c) {
+                    c.request.vision.image_grid_thw = at::ones({1, 2}, at::kLong);
+                  },
                   "image_grid_thw must be [num_images, 3], got [1, 2]"});
-  rows.push_back({"grid_3d", [](Call& c) { c.request.vision.image_grid_thw = at::ones({1, 3, 1}, at::kLong); },
+  rows.push_back({"grid_3d",
+                  [](Call& c) {
+                    c.request.vision.image_grid_thw = at::ones({1, 3, 1}, at::kLong);
+                  },
                   "got [1, 3, 1]"});
-  rows.push_back({"grid_smaller_than_the_pixels", grid({1, 2, 2}), "pixel_values has 16 rows but image_grid_thw needs 4"});
+  rows.push_back(
+      {"grid_smaller_than_the_pixels", grid({1, 2, 2}), "pixel_values has 16 rows but image_grid_thw needs 4"});
 }
 
 void size_rows(std::vector<Row>& rows) {
@@ -209,9 +236,15 @@ void size_rows(std::vector<Row>& rows) {
   rows.push_back({"sizes_zero_width", sizes({56, 0}), "(56, 0) must be positive"});
   rows.push_back({"sizes_negative", sizes({-1, 56}), "(-1, 56) must be positive"});
   rows.push_back({"sizes_min", sizes({kMin, kMin}), "must be positive"});
-  rows.push_back({"sizes_float", [](Call& c) { c.request.vision.image_sizes = at::full({1, 2}, 56.0); },
+  rows.push_back({"sizes_float",
+                  [](Call& c) {
+                    c.request.vision.image_sizes = at::full({1, 2}, 56.0);
+                  },
                   "image_sizes must be an integer tensor, got Float"});
-  rows.push_back({"sizes_three_columns", [](Call& c) { c.request.vision.image_sizes = at::ones({1, 3}, at::kLong); },
+  rows.push_back({"sizes_three_columns",
+                  [](Call& c) {
+                    c.request.vision.image_sizes = at::ones({1, 3}, at::kLong);
+                  },
                   "image_sizes must be [num_images, 2], got [1, 3]"});
   rows.push_back({"sizes_0d", [](Call& c) { c.request.vision.image_sizes = at::scalar_tensor(1, at::kLong); },
                   "image_sizes must be [num_images, 2], got []"});
@@ -220,34 +253,57 @@ void size_rows(std::vector<Row>& rows) {
 
 void placeholder_rows(std::vector<Row>& rows) {
   rows.push_back({"one_placeholder_short",
-                  [](Call& c) { c.request.prompts[0] = test::prompt_with_image({3, 7}, kImage, 3, {11}); },
+                  [](Call& c) {
+                    c.request.prompts[0] = test::prompt_with_image({3, 7}, kImage, 3, {11});
+                  },
                   "the prompts hold 3 image placeholder tokens (id 63) but the vision bundle's 1 images need 4"});
   rows.push_back({"one_placeholder_extra",
-                  [](Call& c) { c.request.prompts[0] = test::prompt_with_image({3, 7}, kImage, 5, {11}); },
+                  [](Call& c) {
+                    c.request.prompts[0] = test::prompt_with_image({3, 7}, kImage, 5, {11});
+                  },
                   "hold 5 image placeholder tokens"});
   rows.push_back({"placeholders_without_images", [](Call& c) { c.request.vision = {}; },
                   "hold 4 image placeholder tokens (id 63) but the vision bundle's 0 images need 0"});
-  rows.push_back({"an_image_without_placeholders", [](Call& c) { c.request.prompts[0] = {3, 7, 11}; },
+  rows.push_back({"an_image_without_placeholders",
+                  [](Call& c) {
+                    c.request.prompts[0] = {3, 7, 11};
+                  },
                   "hold 0 image placeholder tokens"});
-  rows.push_back({"two_images_one_run", [](Call& c) { c.request.vision = test::make_images({{1, 4, 4}, {1, 2, 2}}); },
+  rows.push_back({"two_images_one_run",
+                  [](Call& c) {
+                    c.request.vision = test::make_images({{1, 4, 4}, {1, 2, 2}});
+                  },
                   "hold 4 image placeholder tokens (id 63) but the vision bundle's 2 images need 5"});
   FakeVlmOptions text_only;
   text_only.image_token_id = std::nullopt;
-  rows.push_back({"vision_for_a_text_only_model", [](Call& c) { c.request.vision = test::make_images({{1, 4, 4}}); },
+  rows.push_back({"vision_for_a_text_only_model",
+                  [](Call& c) {
+                    c.request.vision = test::make_images({{1, 4, 4}});
+                  },
                   "the request has vision tensors (1 images) but the model declares no image token id", text_only});
   FakeVlmOptions per_image;
   per_image.layout = VisionLayout::kPerImage;
-  rows.push_back({"layout_mismatch", [](Call& c) { c.request.vision = test::make_images({{1, 4, 4}}); }, "the vision bundle uses the patch-flattened layout but the model expects per-image",
-                  per_image});
+  rows.push_back({"layout_mismatch",
+                  [](Call& c) {
+                    c.request.vision = test::make_images({{1, 4, 4}});
+                  },
+                  "the vision bundle uses the patch-flattened layout but the model expects per-image", per_image});
   FakeVlmOptions framed;
   framed.vision_start_token_id = 60;
   framed.vision_end_token_id = 61;
-  rows.push_back({"no_vision_start", [](Call& c) { c.request.prompts[0] = test::prompt_with_image({3, 7}, kImage, 4, {61}); },
-                  "must be enclosed by the vision start token 60 and the vision end token 61, got 7 before and 61 after",
-                  framed});
-  rows.push_back({"no_vision_end", [](Call& c) { c.request.prompts[0] = test::prompt_with_image({3, 60}, kImage, 4, {11}); },
+  rows.push_back(
+      {"no_vision_start",
+       [](Call& c) {
+         c.request.prompts[0] = test::prompt_with_image({3, 7}, kImage, 4, {61});
+       },
+       "must be enclosed by the vision start token 60 and the vision end token 61, got 7 before and 61 after", framed});
+  rows.push_back({"no_vision_end",
+                  [](Call& c) {
+                    c.request.prompts[0] = test::prompt_with_image({3, 60}, kImage, 4, {11});
+                  },
                   "got 60 before and 11 after", framed});
-  rows.push_back({"placeholders_at_the_edges", [](Call& c) { c.request.prompts[0] = test::prompt_with_image({}, kImage, 4, {}); },
+  rows.push_back({"placeholders_at_the_edges",
+                  [](Call& c) { c.request.prompts[0] = test::prompt_with_image({}, kImage, 4, {}); },
                   "got nothing before and nothing after", framed});
 }
 
@@ -277,10 +333,7 @@ void context_rows(std::vector<Row>& rows) {
                     c.config.max_new_tokens(60);
                   },
                   "needs 66 KV cache columns but the context has capacity 64"});
-  rows.push_back({"context_not_extended",
-                  [](Call& c) {
-                    c.request.context = &c.bench->image_ctx;
-                  },
+  rows.push_back({"context_not_extended", [](Call& c) { c.request.context = &c.bench->image_ctx; },
                   "the context already holds 7 columns; the prompt (7 columns, left-padded) must extend it"});
   // Four pixels edited so that any sum weighted by position modulo 127 or 8191 is unchanged:
   // only a hash of the bytes can tell the two pictures apart.

@@ -14,8 +14,8 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::Field;
-using ::testing::Property;
 using testing::ForwardCall;
+using ::testing::Property;
 
 struct MockObserver {
   MOCK_METHOD(void, Seen, (const ForwardCall& call));

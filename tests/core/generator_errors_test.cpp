@@ -17,9 +17,9 @@ namespace vlmgen {
 namespace {
 
 using ::testing::AllOf;
-using ::testing::HasSubstr;
 using testing::FakeVlm;
 using testing::FakeVlmOptions;
+using ::testing::HasSubstr;
 
 constexpr int64_t kImage = 63;
 
@@ -57,8 +57,8 @@ struct ErrorFixture : ::testing::Test {
     ASSERT_EQ(cached.length(), 2) << "a failed call must leave a caller's context as it was";
     EXPECT_EQ(good(), expected) << "the generator and the context must stay usable";
     FakeVlm fresh;
-    EXPECT_EQ(expected, Generator(fresh).generate({{prompt}, vision}, GenerationConfig().max_new_tokens(4))
-                            .sequences[0].tokens)
+    EXPECT_EQ(expected,
+              Generator(fresh).generate({{prompt}, vision}, GenerationConfig().max_new_tokens(4)).sequences[0].tokens)
         << "the continuation equals a one-shot run";
   }
 };
@@ -96,14 +96,20 @@ TEST_F(ErrorFixture, VisionTensorsForAModelWithoutAnImageToken) {
 }
 
 TEST_F(ErrorFixture, NegativeMaxNewTokens) {
-  expect_error([&] { generator.generate({{prompt}, vision}, GenerationConfig().max_new_tokens(-3)); },
-               {"max_new_tokens", "-3"});
+  expect_error(
+      [&] {
+        generator.generate({{prompt}, vision}, GenerationConfig().max_new_tokens(-3));
+      },
+      {"max_new_tokens", "-3"});
 }
 
 TEST_F(ErrorFixture, PromptPlusNewTokensAboveTheCacheCapacity) {
   InferenceContext small(model.traits().kv_cache, 1, 8);
-  expect_error([&] { generator.generate({{prompt}, vision, &small}, GenerationConfig().max_new_tokens(5)); },
-               {"7 columns", "max_new_tokens 5", "needs 11", "capacity 8"});
+  expect_error(
+      [&] {
+        generator.generate({{prompt}, vision, &small}, GenerationConfig().max_new_tokens(5));
+      },
+      {"7 columns", "max_new_tokens 5", "needs 11", "capacity 8"});
   EXPECT_EQ(small.length(), 0) << "nothing was written to the context";
   // The same context works for a request that fits.
   auto out = generator.generate({{prompt}, vision, &small}, GenerationConfig().max_new_tokens(2));
@@ -112,8 +118,11 @@ TEST_F(ErrorFixture, PromptPlusNewTokensAboveTheCacheCapacity) {
   FakeVlmOptions opts;
   opts.max_sequence_length = 9;
   FakeVlm short_model(opts);
-  expect_error([&] { Generator(short_model).generate({{prompt}, vision}, GenerationConfig().max_new_tokens(3)); },
-               {"= 10", "maximum sequence length 9"});
+  expect_error(
+      [&] {
+        Generator(short_model).generate({{prompt}, vision}, GenerationConfig().max_new_tokens(3));
+      },
+      {"= 10", "maximum sequence length 9"});
 }
 
 TEST_F(ErrorFixture, EmptyBatchAndEmptyPrompt) {
@@ -131,16 +140,22 @@ TEST_F(ErrorFixture, BadSamplingOptions) {
   expect_error([&] { generator.generate({{{1}}}, GenerationConfig().temperature(-1)); }, {"temperature", "-1"});
   expect_error([&] { generator.generate({{{1}}}, GenerationConfig().top_p(0)); }, {"top_p", "0"});
   expect_error([&] { generator.generate({{{1}}}, GenerationConfig().top_k(-2)); }, {"top_k", "-2"});
-  expect_error([&] { generator.generate({{{1}}}, GenerationConfig().temperature(1).row_seeds({1, 2})); },
-               {"row_seeds has 2 entries", "batch of 1"});
+  expect_error(
+      [&] {
+        generator.generate({{{1}}}, GenerationConfig().temperature(1).row_seeds({1, 2}));
+      },
+      {"row_seeds has 2 entries", "batch of 1"});
 }
 
 TEST_F(ErrorFixture, ContinuationThatDoesNotRepeatTheCachedPrefix) {
   InferenceContext context(model.traits().kv_cache, 1, 32);
   generator.generate({{{1, 2, 3, 4}}, {}, &context}, GenerationConfig().max_new_tokens(1));
   ASSERT_EQ(context.length(), 4);
-  expect_error([&] { generator.generate({{{1, 2, 9, 4, 5}}, {}, &context}); },
-               {"row 0 column 2", "cached token 3", "prompt token 9"});
+  expect_error(
+      [&] {
+        generator.generate({{{1, 2, 9, 4, 5}}, {}, &context});
+      },
+      {"row 0 column 2", "cached token 3", "prompt token 9"});
   expect_error([&] { generator.generate({{{1, 2, 3, 4}}, {}, &context}); }, {"already holds 4 columns"});
   EXPECT_EQ(context.length(), 4) << "a refused request leaves the context as it was";
   auto out = generator.generate({{{1, 2, 3, 4, 5}}, {}, &context}, GenerationConfig().max_new_tokens(2));
@@ -166,16 +181,17 @@ TEST_F(ErrorFixture, ContinuationMustBringTheCachedImage) {
   auto longer = prompt;
   longer.push_back(12);
   auto other_picture = test::make_images({{1, 4, 4}}, 99);
-  expect_error([&] { generator.generate({{longer}, other_picture, &context}); },
-               {"image 0 (row 0 columns [2, 6)) is not the picture cached there"});
+  expect_error(
+      [&] {
+        generator.generate({{longer}, other_picture, &context});
+      },
+      {"image 0 (row 0 columns [2, 6)) is not the picture cached there"});
   EXPECT_EQ(context.length(), 7);
   // The cached picture itself continues, and gives what a fresh run gives.
   auto out = generator.generate({{longer}, vision, &context}, GenerationConfig().max_new_tokens(3));
   FakeVlm fresh;
-  EXPECT_EQ(out.sequences[0].tokens, Generator(fresh)
-                                         .generate({{longer}, vision}, GenerationConfig().max_new_tokens(3))
-                                         .sequences[0]
-                                         .tokens);
+  EXPECT_EQ(out.sequences[0].tokens,
+            Generator(fresh).generate({{longer}, vision}, GenerationConfig().max_new_tokens(3)).sequences[0].tokens);
   // A text-only context cannot stand for placeholders cached without pixels.
   InferenceContext text_context(model.traits().kv_cache, 1, 32);
   auto plain = prompt;
@@ -196,29 +212,42 @@ TEST_F(ErrorFixture, ContextOnAnotherDtypeOrWithAnotherShape) {
 }
 
 TEST_F(ErrorFixture, PadTokenThatIsThePlaceholder) {
-  expect_error([&] { generator.generate({{prompt, {1, 2}}, vision}, GenerationConfig().pad_token_id(kImage)); },
-               {"pad_token_id 63", "placeholder"});
+  expect_error(
+      [&] {
+        generator.generate({{prompt, {1, 2}}, vision}, GenerationConfig().pad_token_id(kImage));
+      },
+      {"pad_token_id 63", "placeholder"});
 }
 
 TEST_F(ErrorFixture, AlwaysModeWithAKvCache) {
-  expect_error([&] { generator.generate({{prompt}, vision}, GenerationConfig().replay_mode(ReplayMode::kAlways)); },
-               {"'always'", "KV-cache"});
+  expect_error(
+      [&] {
+        generator.generate({{prompt}, vision}, GenerationConfig().replay_mode(ReplayMode::kAlways));
+      },
+      {"'always'", "KV-cache"});
 }
 
 TEST_F(ErrorFixture, MaxNewTokensBeyondAnySequence) {
-  expect_error([&] {
-    generator.generate({{prompt}, vision}, GenerationConfig().max_new_tokens(std::numeric_limits<int64_t>::max()));
-  }, {"exceeds the limit of 1048576 columns"});
+  expect_error(
+      [&] {
+        generator.generate({{prompt}, vision}, GenerationConfig().max_new_tokens(std::numeric_limits<int64_t>::max()));
+      },
+      {"exceeds the limit of 1048576 columns"});
   // Far beyond memory but far from overflow: refused before anything is allocated.
-  expect_error([&] {
-    generator.generate({{prompt}, vision}, GenerationConfig().max_new_tokens((int64_t{1} << 40) - 100));
-  }, {"max_new_tokens 1099511627676", "kMaxSequenceColumns"});
+  expect_error(
+      [&] {
+        generator.generate({{prompt}, vision}, GenerationConfig().max_new_tokens((int64_t{1} << 40) - 100));
+      },
+      {"max_new_tokens 1099511627676", "kMaxSequenceColumns"});
 }
 
 TEST_F(ErrorFixture, ContextGivenWithTheCacheDisabled) {
   InferenceContext context(model.traits().kv_cache, 1, 32);
-  expect_error([&] { generator.generate({{prompt}, vision, &context}, GenerationConfig().enable_kv_cache(false)); },
-               {"enable_kv_cache is false"});
+  expect_error(
+      [&] {
+        generator.generate({{prompt}, vision, &context}, GenerationConfig().enable_kv_cache(false));
+      },
+      {"enable_kv_cache is false"});
 }
 
 TEST_F(ErrorFixture, ModelReturningLogitsOfTheWrongShape) {
@@ -226,8 +255,11 @@ TEST_F(ErrorFixture, ModelReturningLogitsOfTheWrongShape) {
     at::Tensor forward(const ForwardArgs& args) override { return FakeVlm::forward(args).narrow(1, 0, 1); }
   } broken;
   // One column is fine when only the last is asked for, not when every column is.
-  expect_error([&] { Generator(broken).generate({{{1, 2, 3}}}, GenerationConfig().full_logits(true)); },
-               {"[1, 1, 64]", "[1, 3, >= 64]"});
+  expect_error(
+      [&] {
+        Generator(broken).generate({{{1, 2, 3}}}, GenerationConfig().full_logits(true));
+      },
+      {"[1, 1, 64]", "[1, 3, >= 64]"});
   EXPECT_EQ(Generator(broken).generate({{{1, 2, 3}}}, GenerationConfig().max_new_tokens(2)).sequences[0].tokens.size(),
             2u);
   struct TwoColumns : testing::FakeVlm {
@@ -250,8 +282,11 @@ TEST_F(ErrorFixture, ModelThrowingMidGenerationLeavesTheContextAsItWas) {
   InferenceContext context(flaky.traits().kv_cache, 1, 32);
   g.generate({{{1, 2}}, {}, &context}, GenerationConfig().max_new_tokens(1));
   ASSERT_EQ(context.length(), 2);
-  expect_error([&] { g.generate({{{1, 2, 3}}, {}, &context}, GenerationConfig().max_new_tokens(5)); },
-               {"flaky model: call 3"});
+  expect_error(
+      [&] {
+        g.generate({{{1, 2, 3}}, {}, &context}, GenerationConfig().max_new_tokens(5));
+      },
+      {"flaky model: call 3"});
   EXPECT_EQ(context.length(), 2) << "the failed call's prefill and decode columns are rolled back";
   // The same request succeeds on retry and matches a fresh run.
   auto retry = g.generate({{{1, 2, 3}}, {}, &context}, GenerationConfig().max_new_tokens(5));
@@ -260,14 +295,16 @@ TEST_F(ErrorFixture, ModelThrowingMidGenerationLeavesTheContextAsItWas) {
             Generator(fresh).generate({{{1, 2, 3}}}, GenerationConfig().max_new_tokens(5)).sequences[0].tokens);
   // A throwing streaming callback rolls back too.
   context.truncate(2);
-  expect_error([&] {
-    GenerateRequest req({{1, 2, 3}}, {}, &context);
-    req.on_token = [](const TokenEvent& e) -> bool {
-      if (e.step == 2) VLMGEN_FAIL("client went away");
-      return true;
-    };
-    g.generate(req, GenerationConfig().max_new_tokens(5));
-  }, {"client went away"});
+  expect_error(
+      [&] {
+        GenerateRequest req({{1, 2, 3}}, {}, &context);
+        req.on_token = [](const TokenEvent& e) -> bool {
+          if (e.step == 2) VLMGEN_FAIL("client went away");
+          return true;
+        };
+        g.generate(req, GenerationConfig().max_new_tokens(5));
+      },
+      {"client went away"});
   EXPECT_EQ(context.length(), 2);
 }
 

@@ -146,7 +146,8 @@ TEST(SequenceParallel, KvCacheRequestFallsBackAndReplaysVisionEveryStep) {
   EXPECT_THAT(logged[0], ::testing::HasSubstr("sequence parallelism"));
 
   FakeVlm plain;
-  auto reference = Generator(plain).generate({{prompt}, vision}, GenerationConfig().max_new_tokens(5).enable_kv_cache(false));
+  auto reference =
+      Generator(plain).generate({{prompt}, vision}, GenerationConfig().max_new_tokens(5).enable_kv_cache(false));
   EXPECT_EQ(tokens_of(out), tokens_of(reference));
 }
 
@@ -189,7 +190,8 @@ TEST(Continuation, CachedTextPrefixThenATurnWithAnImageGetsThatImage) {
   for (size_t i = 1; i < spy.calls().size(); ++i) EXPECT_FALSE(spy.calls()[i].has_any_vision());
 
   FakeVlm fresh;
-  auto reference = Generator(fresh).generate({{turn}, vision}, GenerationConfig().max_new_tokens(4).enable_kv_cache(false));
+  auto reference =
+      Generator(fresh).generate({{turn}, vision}, GenerationConfig().max_new_tokens(4).enable_kv_cache(false));
   EXPECT_EQ(tokens_of(out), tokens_of(reference));
 }
 
@@ -219,7 +221,8 @@ TEST(Continuation, OnlyTheNewTurnsImagesAreSentSlicedFromTheBundle) {
   for (size_t i = 1; i < spy.calls().size(); ++i) EXPECT_FALSE(spy.calls()[i].has_any_vision());
 
   FakeVlm fresh;
-  auto reference = Generator(fresh).generate({{turn2}, vision}, GenerationConfig().max_new_tokens(3).enable_kv_cache(false));
+  auto reference =
+      Generator(fresh).generate({{turn2}, vision}, GenerationConfig().max_new_tokens(3).enable_kv_cache(false));
   EXPECT_EQ(tokens_of(out), tokens_of(reference));
 }
 
@@ -236,8 +239,7 @@ TEST(Batching, OnlyOneRowHasImagesAndEachCallGetsTheImagesInItsWindow) {
   auto vision = test::make_images({{1, 2, 4}, {1, 4, 4}}, 11);
 
   // Chunked prefill of 5 columns: [0,5) holds image 0 at columns [4,6) -> moved to [0,4).
-  auto chunked = generator.generate({{row0, row1}, vision},
-                                    GenerationConfig().max_new_tokens(3).prefill_chunk_size(5));
+  auto chunked = generator.generate({{row0, row1}, vision}, GenerationConfig().max_new_tokens(3).prefill_chunk_size(5));
   std::vector<std::vector<int64_t>> sent;
   for (const auto& c : spy.calls()) {
     if (c.step == 0) sent.push_back(c.images);
@@ -263,7 +265,8 @@ TEST(Batching, OnlyOneRowHasImagesAndEachCallGetsTheImagesInItsWindow) {
   }
 
   auto whole = generator.generate({{row0, row1}, vision}, GenerationConfig().max_new_tokens(3));
-  auto nocache = generator.generate({{row0, row1}, vision}, GenerationConfig().max_new_tokens(3).enable_kv_cache(false));
+  auto nocache =
+      generator.generate({{row0, row1}, vision}, GenerationConfig().max_new_tokens(3).enable_kv_cache(false));
   for (size_t r = 0; r < 2; ++r) {
     EXPECT_EQ(tokens_of(chunked, r), tokens_of(whole, r));
     EXPECT_EQ(tokens_of(nocache, r), tokens_of(whole, r));
@@ -324,11 +327,14 @@ TEST(Sampling, SameSeedSameTokensAndTopKOneIsGreedy) {
   bool any_differs = sample(7) != sample(8) || sample(7) != sample(9) || sample(7) != sample(10);
   EXPECT_TRUE(any_differs) << "different seeds should not all give the same 12 tokens";
   auto greedy = tokens_of(generator.generate({{prompt}}, GenerationConfig().max_new_tokens(12)));
-  auto top1 = tokens_of(generator.generate({{prompt}}, GenerationConfig().max_new_tokens(12).temperature(0.8).top_k(1).seed(3)));
+  auto top1 = tokens_of(
+      generator.generate({{prompt}}, GenerationConfig().max_new_tokens(12).temperature(0.8).top_k(1).seed(3)));
   EXPECT_EQ(top1, greedy);
-  auto tiny_p = tokens_of(generator.generate({{prompt}}, GenerationConfig().max_new_tokens(12).temperature(0.8).top_p(1e-6).seed(3)));
+  auto tiny_p = tokens_of(
+      generator.generate({{prompt}}, GenerationConfig().max_new_tokens(12).temperature(0.8).top_p(1e-6).seed(3)));
   EXPECT_EQ(tiny_p, greedy) << "top_p that keeps one token is greedy";
-  auto cold = tokens_of(generator.generate({{prompt}}, GenerationConfig().max_new_tokens(12).temperature(1e-30).seed(3)));
+  auto cold =
+      tokens_of(generator.generate({{prompt}}, GenerationConfig().max_new_tokens(12).temperature(1e-30).seed(3)));
   EXPECT_EQ(cold, greedy) << "a vanishing temperature is greedy, not an overflow";
   // top_k and top_p together: every token is in the top 5 of its step and inside the nucleus.
   ForwardSpy spy(model);
@@ -342,7 +348,8 @@ TEST(Sampling, SameSeedSameTokensAndTopKOneIsGreedy) {
     at::Tensor probs = at::softmax(values / 0.8, 0);
     at::Tensor before = probs.cumsum(0) - probs;
     bool inside = false;
-    for (int64_t i = 0; i < 5; ++i) inside |= ids[i].item<int64_t>() == both[step] && (i == 0 || before[i].item<double>() < 0.5);
+    for (int64_t i = 0; i < 5; ++i)
+      inside |= ids[i].item<int64_t>() == both[step] && (i == 0 || before[i].item<double>() < 0.5);
     EXPECT_TRUE(inside) << "step " << step << " token " << both[step];
   }
 }
@@ -461,12 +468,14 @@ TEST(Placeholders, GeneratedPlaceholderTokensAreSuppressedUnlessAllowed) {
   auto vision = test::make_images({{1, 4, 4}});
   auto prompt = test::prompt_with_image({5}, kImage, 4, {6, 7});
   // This prompt makes the fake model's favourite next-but-one token the image placeholder.
-  auto allowed = generator.generate({{prompt}, vision}, GenerationConfig().max_new_tokens(5).allow_placeholder_tokens(true));
+  auto allowed =
+      generator.generate({{prompt}, vision}, GenerationConfig().max_new_tokens(5).allow_placeholder_tokens(true));
   ASSERT_THAT(tokens_of(allowed), ::testing::Contains(kImage));
   // Fed back without a cache, that token is a placeholder with no image: a strict model refuses.
-  EXPECT_THROW(generator.generate({{prompt}, vision},
-                                  GenerationConfig().max_new_tokens(5).enable_kv_cache(false).allow_placeholder_tokens(true)),
-               Error);
+  EXPECT_THROW(
+      generator.generate({{prompt}, vision},
+                         GenerationConfig().max_new_tokens(5).enable_kv_cache(false).allow_placeholder_tokens(true)),
+      Error);
   for (bool kv : {true, false}) {
     auto out = generator.generate({{prompt}, vision}, GenerationConfig().max_new_tokens(5).enable_kv_cache(kv));
     EXPECT_THAT(tokens_of(out), ::testing::Not(::testing::Contains(kImage)));

@@ -18,11 +18,11 @@
 namespace vlmgen {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::CallOutcome;
 using testing::FakeVlm;
 using testing::FakeVlmOptions;
 using testing::ForwardSpy;
+using ::testing::HasSubstr;
 
 constexpr int64_t kImage = 63;
 
@@ -139,9 +139,8 @@ TEST(Prefill, ChunkSizeNearTheInt64LimitAfterACachedPrefixIsOneWindow) {
   spy.clear();
   auto prompt = test::prompt_with_image({1, 2, 3, 9}, kImage, 4, {10});
   auto vision = test::make_images({{1, 4, 4}});
-  auto out = generator.generate(
-      {{prompt}, vision, &context},
-      GenerationConfig().max_new_tokens(3).prefill_chunk_size(std::numeric_limits<int64_t>::max() - 1));
+  auto out = generator.generate({{prompt}, vision, &context}, GenerationConfig().max_new_tokens(3).prefill_chunk_size(
+                                                                  std::numeric_limits<int64_t>::max() - 1));
   ASSERT_GE(spy.calls().size(), 1u);
   EXPECT_EQ(spy.calls()[0].window_start, 3);
   EXPECT_EQ(spy.calls()[0].window_end, static_cast<int64_t>(prompt.size()));
@@ -255,9 +254,9 @@ at::Tensor reference_logprobs(testing::FakeVlm& model, const std::vector<int64_t
 TEST(Scores, PromptLogprobsAreTheModelsOwnLogSoftmaxWithCacheChunksAndPadding) {
   const std::vector<std::vector<int64_t>> prompts = {{5, 9, 2, 7, 7, 1, 30}, {4, 8, 15}};
   testing::FakeVlm model;
-  for (auto config : {GenerationConfig().max_new_tokens(2).enable_kv_cache(false),
-                      GenerationConfig().max_new_tokens(2).prefill_chunk_size(3),
-                      GenerationConfig().max_new_tokens(0)}) {
+  for (auto config :
+       {GenerationConfig().max_new_tokens(2).enable_kv_cache(false),
+        GenerationConfig().max_new_tokens(2).prefill_chunk_size(3), GenerationConfig().max_new_tokens(0)}) {
     auto out = Generator(model).generate({prompts}, config.prompt_logprobs(true));
     for (size_t r = 0; r < prompts.size(); ++r) {
       const auto& got = out.sequences[r].prompt_logprobs;

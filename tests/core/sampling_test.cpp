@@ -3,9 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <set>
+#include <vector>
 
 #include "vlmgen/detail/torch_compat.h"
-#include <vector>
 
 namespace vlmgen {
 namespace {
@@ -61,7 +61,7 @@ TEST(Sampler, InactiveRowsGetMinusOneAndKeepTheirStream) {
   at::Tensor logits = at::zeros({2, 50});
   Sampler a(o, 2), b(o, 2);
   a.choose(logits, {false, true});  // row 0 inactive: its stream must not move
-  for (int i = 0; i < 8; ++i) {  // eight draws in a row: a moved stream would not match them all
+  for (int i = 0; i < 8; ++i) {     // eight draws in a row: a moved stream would not match them all
     EXPECT_EQ(a.choose(logits, {true, false})[0], b.choose(logits, {true, false})[0]) << "draw " << i;
   }
   EXPECT_EQ(b.choose(logits, {false, true})[0], -1);

@@ -31,8 +31,8 @@ TEST(VisionInputs, SelectKeepsPixelsGridAndSizesConsistent) {
   EXPECT_TRUE(at::equal(s.image_grid_thw, v.image_grid_thw.narrow(0, 1, 2)));
   EXPECT_TRUE(at::equal(s.image_sizes, v.image_sizes.narrow(0, 1, 2)));
   auto first_last = v.select({0, 2});
-  EXPECT_TRUE(at::equal(first_last.pixel_values,
-                        at::cat({v.pixel_values.narrow(0, 0, 16), v.pixel_values.narrow(0, 40, 4)})));
+  EXPECT_TRUE(
+      at::equal(first_last.pixel_values, at::cat({v.pixel_values.narrow(0, 0, 16), v.pixel_values.narrow(0, 40, 4)})));
   EXPECT_TRUE(v.select({}).empty());
   EXPECT_THROW(v.select({3}), Error);
   EXPECT_THROW(v.select({1, 0}), Error);

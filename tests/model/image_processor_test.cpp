@@ -124,7 +124,8 @@ TEST(SmartResize, RejectsAspectRatioAbove200) {
 TEST(SmartResize, TakesSidesBelowFactorLikeHf) {
   EXPECT_EQ(smart_resize(20, 100, 28), (HeightWidth{28, 112}));
   EXPECT_EQ(smart_resize(1, 1, 28), (HeightWidth{56, 56}));
-  EXPECT_THAT(error_message([] { smart_resize(0, 100, 28); }), HasSubstr("height 0 and width 100 must both be positive"));
+  EXPECT_THAT(error_message([] { smart_resize(0, 100, 28); }),
+              HasSubstr("height 0 and width 100 must both be positive"));
   EXPECT_THROW(smart_resize(100, -5, 28), Error);
 }
 

@@ -3,6 +3,8 @@
 // extreme aspect ratios. The expected values come from an independent transcription of HF's
 // current smart_resize and of its rescale / normalize / patch layout, not from vlmgen's code.
 
+#include "vlmgen/image/preprocessor_config.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -14,7 +16,6 @@
 #include <vector>
 
 #include "vlmgen/error.h"
-#include "vlmgen/image/preprocessor_config.h"
 #include "vlmgen/image/qwen_image_processor.h"
 
 namespace vlmgen {
@@ -64,8 +65,9 @@ Image gradient_image(int64_t height, int64_t width) {
 // HF's pixel_values of one resized image: rescale, normalize (float32), repeat the frame
 // temporal_patch_size times, then the processor's reshape and transpose (0,3,6,4,7,2,1,5,8).
 at::Tensor hf_layout(const Image& resized, const QwenImageProcessorOptions& o) {
-  at::Tensor hwc = at::from_blob(const_cast<uint8_t*>(resized.rgb.data()), {resized.height, resized.width, 3}, at::kByte)
-                       .to(at::kFloat);
+  at::Tensor hwc =
+      at::from_blob(const_cast<uint8_t*>(resized.rgb.data()), {resized.height, resized.width, 3}, at::kByte)
+          .to(at::kFloat);
   at::Tensor chw = hwc.permute({2, 0, 1}) * static_cast<float>(o.rescale());
   at::Tensor mean = at::tensor({o.image_mean()[0], o.image_mean()[1], o.image_mean()[2]}, at::kFloat).view({3, 1, 1});
   at::Tensor std = at::tensor({o.image_std()[0], o.image_std()[1], o.image_std()[2]}, at::kFloat).view({3, 1, 1});
@@ -131,7 +133,8 @@ TEST(PreprocessorConfig, WhatItCannotHonourIsRefusedByName) {
 TEST(PreprocessorConfig, SaveThenLoadRoundTrips) {
   const std::string dir = ::testing::TempDir() + "/vlmgen_preproc_roundtrip";
   std::filesystem::create_directories(dir);
-  const auto o = QwenImageProcessorOptions().max_pixels(123 * 28 * 28).min_pixels(4 * 28 * 28).image_mean({0.5, 0.4, 0.3});
+  const auto o =
+      QwenImageProcessorOptions().max_pixels(123 * 28 * 28).min_pixels(4 * 28 * 28).image_mean({0.5, 0.4, 0.3});
   save_preprocessor_config(dir, o);
   const auto back = load_preprocessor_config(dir);
   ASSERT_TRUE(back.has_value());
@@ -143,10 +146,9 @@ TEST(PreprocessorConfig, SaveThenLoadRoundTrips) {
 
 // Image sizes: tiny (below one patch), small, typical, huge, and aspect ratios up to 200.
 const std::vector<std::pair<int64_t, int64_t>> kSizes = {
-    {1, 1},       {5, 9},      {13, 27},    {27, 28},     {28, 28},    {30, 50},     {56, 56},
-    {100, 3},     {224, 224},  {300, 199},  {448, 448},   {480, 640},  {719, 1281},  {1080, 1920},
-    {3000, 4000}, {4032, 3024}, {6000, 9000}, {20000, 100}, {100, 20000}, {28, 5600},  {5600, 28},
-    {14000, 14000}, {2, 400}};
+    {1, 1},       {5, 9},       {13, 27},     {27, 28},   {28, 28},    {30, 50},       {56, 56},     {100, 3},
+    {224, 224},   {300, 199},   {448, 448},   {480, 640}, {719, 1281}, {1080, 1920},   {3000, 4000}, {4032, 3024},
+    {6000, 9000}, {20000, 100}, {100, 20000}, {28, 5600}, {5600, 28},  {14000, 14000}, {2, 400}};
 
 TEST(PreprocessorParity, GridEqualsHfSmartResizeOnTheReleasedSettings) {
   const auto o = *load_preprocessor_config(reference_dir());

@@ -1,4 +1,3 @@
-#include "qwen_test_util.h"
 #include "vlmgen/models/qwen2_vl.h"
 
 #include <gmock/gmock.h>
@@ -16,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "qwen_test_util.h"
 #include "vlmgen/detail/torch_compat.h"
 #include "vlmgen/error.h"
 #include "vlmgen/generator.h"
@@ -725,8 +725,8 @@ TEST_F(Qwen2VlGeneratorTest, OnlyTheLastColumnsLogitsAreComputedUnlessAsked) {
   EXPECT_EQ(spy.calls()[0].logits.size(1), 1) << "the prefill returns one column, not the whole prompt";
   const at::Tensor lean_first = spy.calls()[0].logits.select(1, 0);
   spy.clear();
-  auto full = Generator(spy).generate(make_request(prompts_, vision_),
-                                      GenerationConfig().max_new_tokens(4).full_logits(true));
+  auto full =
+      Generator(spy).generate(make_request(prompts_, vision_), GenerationConfig().max_new_tokens(4).full_logits(true));
   EXPECT_EQ(spy.calls()[0].logits.size(1), static_cast<int64_t>(left_pad(prompts_).ids.size(1)));
   EXPECT_LE(max_abs_diff(spy.calls()[0].logits.select(1, -1), lean_first), kCacheTolerance);
   for (size_t r = 0; r < prompts_.size(); ++r) EXPECT_EQ(lean.sequences[r].tokens, full.sequences[r].tokens);
@@ -734,8 +734,8 @@ TEST_F(Qwen2VlGeneratorTest, OnlyTheLastColumnsLogitsAreComputedUnlessAsked) {
 
 TEST_F(Qwen2VlGeneratorTest, EncoderCacheRunsTheTowerOncePerRequest) {
   Generator generator(model_);
-  auto cached = generator.generate(make_request(prompts_, vision_),
-                                   GenerationConfig().max_new_tokens(4).enable_kv_cache(false));
+  auto cached =
+      generator.generate(make_request(prompts_, vision_), GenerationConfig().max_new_tokens(4).enable_kv_cache(false));
   EXPECT_EQ(model_.vision_tower_calls(), 1);
   EXPECT_EQ(cached.stats.images_encoded, 2) << "each image once";
   auto replayed = generator.generate(make_request(prompts_, vision_),
@@ -782,8 +782,9 @@ double prompt_logit_drift(Qwen2Vl& model, const std::vector<std::vector<int64_t>
                           ReplayMode mode, double* argmax_agreement = nullptr) {
   testing::ForwardSpy spy(model);
   spy.record_tensors(true);
-  Generator(spy).generate(make_request(prompts, vision),
-                          GenerationConfig().max_new_tokens(8).enable_kv_cache(false).replay_mode(mode).full_logits(true));
+  Generator(spy).generate(
+      make_request(prompts, vision),
+      GenerationConfig().max_new_tokens(8).enable_kv_cache(false).replay_mode(mode).full_logits(true));
   EXPECT_EQ(spy.calls().size(), 8u);
   const at::Tensor& step0 = spy.calls().front().logits;
   const int64_t prompt_len = step0.size(1);
@@ -794,8 +795,8 @@ double prompt_logit_drift(Qwen2Vl& model, const std::vector<std::vector<int64_t>
   if (argmax_agreement != nullptr) *argmax_agreement = 1.0;
   for (const auto& call : spy.calls()) {
     at::Tensor prefix = call.logits.narrow(1, 0, prompt_len);
-    worst = std::max(worst, max_abs_diff(prefix.masked_fill(~real.unsqueeze(-1), 0),
-                                         step0.masked_fill(~real.unsqueeze(-1), 0)));
+    worst = std::max(
+        worst, max_abs_diff(prefix.masked_fill(~real.unsqueeze(-1), 0), step0.masked_fill(~real.unsqueeze(-1), 0)));
     if (argmax_agreement != nullptr) {
       const double agree = prefix.argmax(-1).masked_select(real).eq(argmax0).to(at::kDouble).mean().item<double>();
       *argmax_agreement = std::min(*argmax_agreement, agree);

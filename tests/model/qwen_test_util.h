@@ -15,7 +15,7 @@
 
 namespace vlmgen::qwen_test {
 
-constexpr int64_t kImage = 90;        // QwenVlConfig::tiny()'s image placeholder
+constexpr int64_t kImage = 90;  // QwenVlConfig::tiny()'s image placeholder
 constexpr int64_t kVisionStart = 88;
 constexpr int64_t kVisionEnd = 89;
 

@@ -16,12 +16,12 @@
 #include <tuple>
 #include <vector>
 
-#include "vlmgen/error.h"
-#include "vlmgen/generator.h"
-#include "vlmgen/models/qwen2_vl.h"
 #include "shapes/shapes_data.h"
 #include "shapes/shapes_model.h"
 #include "shapes/word_tokenizer.h"
+#include "vlmgen/error.h"
+#include "vlmgen/generator.h"
+#include "vlmgen/models/qwen2_vl.h"
 
 namespace vlmgen::shapes {
 namespace {

@@ -9,8 +9,6 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-
-#include <functional>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -284,7 +283,8 @@ TEST(DISABLED_TpModelWorker, RanksGivenDifferentRequestsAllRaise) {
       {"other token", [](GenerateRequest& r, GenerationConfig&) { r.prompts[0][0] += 1; }},
       {"other max_new_tokens", [](GenerateRequest&, GenerationConfig& c) { c.max_new_tokens(4); }},
       {"other seed", [](GenerateRequest&, GenerationConfig& c) { c.seed(99); }},
-      {"other picture", [](GenerateRequest& r, GenerationConfig&) {
+      {"other picture",
+       [](GenerateRequest& r, GenerationConfig&) {
          r.vision.pixel_values = r.vision.pixel_values.clone();
          r.vision.pixel_values.view({-1})[7] += 0.5;
        }},
@@ -434,8 +434,13 @@ TEST(DISABLED_TpModelWorker, ScoresEqualTp1) {
   Qwen2Vl model(config, 13, 0.02, par);
   const GenerateRequest request = image_request(config);
   for (bool kv : {true, false}) {
-    const auto gen_config = GenerationConfig().max_new_tokens(4).enable_kv_cache(kv).prompt_logprobs(true)
-                                .top_logprobs(5).return_logits(true).prefill_chunk_size(kv ? 7 : 0);
+    const auto gen_config = GenerationConfig()
+                                .max_new_tokens(4)
+                                .enable_kv_cache(kv)
+                                .prompt_logprobs(true)
+                                .top_logprobs(5)
+                                .return_logits(true)
+                                .prefill_chunk_size(kv ? 7 : 0);
     auto tp1 = Generator(reference).generate(request, gen_config);
     auto tp2 = Generator(model, par).generate(request, gen_config);
     for (size_t r = 0; r < tp1.sequences.size(); ++r) {
@@ -453,7 +458,8 @@ TEST(DISABLED_TpModelWorker, ScoresEqualTp1) {
       for (size_t s = 0; s < a.top_logprobs.size(); ++s) {
         ASSERT_EQ(b.top_logprobs[s].size(), 5u);
         EXPECT_EQ(b.top_logprobs[s][0].first, a.top_logprobs[s][0].first);
-        for (size_t j = 0; j < 5; ++j) EXPECT_NEAR(b.top_logprobs[s][j].second, a.top_logprobs[s][j].second, kTpTolerance);
+        for (size_t j = 0; j < 5; ++j)
+          EXPECT_NEAR(b.top_logprobs[s][j].second, a.top_logprobs[s][j].second, kTpTolerance);
       }
       ASSERT_EQ(b.logits.sizes(), (at::IntArrayRef{4, config.vocab_size})) << "gathered to the whole vocabulary";
       EXPECT_LE((b.logits - a.logits).abs().max().item<double>(), kTpTolerance);

@@ -35,8 +35,8 @@ inline std::vector<int64_t> to_int64_vector(const at::Tensor& t) {
 inline at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {}) {
   const int64_t in = x.size(-1);
   const int64_t rows = in == 0 ? 0 : x.numel() / in;
-  if (x.device().is_cpu() && (rows == 1 || rows == 2) && x.scalar_type() == weight.scalar_type() &&
-      weight.dim() == 2 && weight.is_contiguous()) {
+  if (x.device().is_cpu() && (rows == 1 || rows == 2) && x.scalar_type() == weight.scalar_type() && weight.dim() == 2 &&
+      weight.is_contiguous()) {
     at::Tensor flat = x.reshape({rows, in});
     at::Tensor out = rows == 1 ? at::mv(weight, flat[0]).unsqueeze(0)
                                : at::stack({at::mv(weight, flat[0]), at::mv(weight, flat[1])});
@@ -54,8 +54,6 @@ inline std::vector<bool> to_bool_vector(const at::Tensor& t) {
   return std::vector<bool>(v.begin(), v.end());
 }
 
-inline bool is_integral(const at::Tensor& t) {
-  return at::isIntegralType(t.scalar_type(), /*includeBool=*/false);
-}
+inline bool is_integral(const at::Tensor& t) { return at::isIntegralType(t.scalar_type(), /*includeBool=*/false); }
 
 }  // namespace vlmgen::detail

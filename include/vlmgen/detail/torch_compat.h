@@ -6,19 +6,16 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/version.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 
-#include <unistd.h>
-
 namespace vlmgen::detail {
 
 /// A CPU random generator seeded with `seed`; same seed, same stream, on every build.
-inline at::Generator make_cpu_generator(uint64_t seed) {
-  return at::make_generator<at::CPUGeneratorImpl>(seed);
-}
+inline at::Generator make_cpu_generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
 
 /// For programs (not the library): re-executes the current program with OMP_WAIT_POLICY=PASSIVE
 /// unless the variable is already set. LibTorch's OpenMP threads otherwise spin while OpenBLAS's

@@ -34,9 +34,10 @@ inline void check_ranks_agree(Communicator& group, const ContentHash& digest, at
     if (!at::equal(all[r], all[0])) differ.push_back(r);
   }
   if (differ.empty()) return;
-  VLMGEN_FAIL("tensor-parallel ranks were given different {}: rank(s) [{}] differ from rank 0 (this is rank {} of "
-              "{}); every rank must call with the same prompts, images and options",
-              what, fmt::join(differ, ", "), group.rank(), group.size());
+  VLMGEN_FAIL(
+      "tensor-parallel ranks were given different {}: rank(s) [{}] differ from rank 0 (this is rank {} of "
+      "{}); every rank must call with the same prompts, images and options",
+      what, fmt::join(differ, ", "), group.rank(), group.size());
 }
 
 }  // namespace vlmgen::detail

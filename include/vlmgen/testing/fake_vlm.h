@@ -89,8 +89,8 @@ class FakeVlm : public CausalVlm {
 
     // Image embeddings for the placeholders of this window, in row-major order.
     at::Tensor emb = args.image_embeddings.defined() ? args.image_embeddings.to(at::kCPU, at::kDouble)
-                     : !args.vision.empty()            ? embed(args.vision)
-                                                       : at::Tensor();
+                     : !args.vision.empty()          ? embed(args.vision)
+                                                     : at::Tensor();
     const int64_t* id = ids.data_ptr<int64_t>();
     const int64_t* p = pos.data_ptr<int64_t>();
     const int64_t* m = mask.data_ptr<int64_t>();

@@ -3,9 +3,9 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <optional>
-#include <exception>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -29,7 +29,7 @@ struct ForwardCall {
   int64_t window_start = 0;  ///< first column computed
   int64_t window_end = 0;    ///< one past the last column computed
   int64_t batch = 0;
-  bool had_context = false;  ///< a KV cache was passed
+  bool had_context = false;    ///< a KV cache was passed
   int64_t context_length = 0;  ///< columns already in that cache
   /// Shapes of the vision tensors received; nullopt when the tensor was not sent.
   std::optional<std::vector<int64_t>> pixel_values_shape;
