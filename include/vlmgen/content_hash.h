@@ -37,6 +37,7 @@ inline std::string to_hex(const ContentHash& h, size_t bytes = 32) {
 class Sha256 {
  public:
   Sha256& update(const void* data, size_t size) {
+    if (size == 0) return *this;  // data may be null then (an empty vector or tensor)
     const auto* p = static_cast<const uint8_t*>(data);
     total_bytes_ += size;
     if (used_ > 0) {

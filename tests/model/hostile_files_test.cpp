@@ -274,5 +274,18 @@ TEST(HostileSafetensors, RanksAbove64AreRefused) {
               AllOf(HasSubstr("65 dimensions"), HasSubstr("limit of 64")));
 }
 
+// The model's constructor holds a config to the same rules as QwenVlConfig::validate(): a
+// config the loader would refuse cannot be built by hand either.
+TEST(HostileConfig, TheConstructorRefusesWhatValidateRefuses) {
+  QwenVlConfig c = QwenVlConfig::tiny();
+  c.max_position_embeddings = QwenVlConfigLimits::kMaxPositionEmbeddings + 1;
+  EXPECT_THROW(c.validate(), Error);
+  EXPECT_THAT(error_of([&] { Qwen2Vl model(c, 1); }), HasSubstr("max_position_embeddings"));
+  c = QwenVlConfig::tiny();
+  c.vision.spatial_merge_size = QwenVlConfigLimits::kMaxSpatialMergeSize + 1;
+  EXPECT_THROW(c.validate(), Error);
+  EXPECT_THROW(Qwen2Vl(c, 1), Error);
+}
+
 }  // namespace
 }  // namespace vlmgen

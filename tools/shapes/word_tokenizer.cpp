@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "vlmgen/error.h"
+#include "vlmgen/io/files.h"
 
 namespace vlmgen::shapes {
 namespace {
@@ -43,15 +44,14 @@ WordTokenizer WordTokenizer::with_specials(const std::vector<std::string>& words
 }
 
 WordTokenizer WordTokenizer::load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  VLMGEN_CHECK(in.good(), "cannot open vocabulary file {}", path);
+  // A regular file only (a FIFO would block), and bounded: a word vocabulary is a few KB.
+  std::istringstream in(read_regular_file(path, "vocabulary file", int64_t{16} << 20));
   std::vector<std::string> tokens;
   std::string line;
   while (std::getline(in, line)) {
     if (!line.empty() && line.back() == '\r') line.pop_back();
     tokens.push_back(line);
   }
-  VLMGEN_CHECK(!in.bad(), "reading vocabulary file {} failed", path);
   try {
     return WordTokenizer(std::move(tokens));
   } catch (const Error& e) {
