@@ -2,11 +2,13 @@
 // tokens as they stream.
 //
 //   vlmgen-generate --checkpoint DIR --prompt "5 6 <image> 7" --image cat.png
+//   vlmgen-generate --checkpoint DIR --text "Hello <image> what is this?" --image cat.png
 //                   [--max-new-tokens 16] [--no-kv-cache] [--replay span-aware|always|step-zero]
 //                   [--nproc N [--sequence-parallel]]
 //
 // Each "<image>" in the prompt becomes vision_start, the image's placeholder tokens and
-// vision_end, for the next --image file in order.
+// vision_end, for the next --image file in order. --text is tokenized with the checkpoint's
+// tokenizer.json (no chat template: see vlmgen-chat for that).
 //
 // Tensor parallelism: --nproc N starts N local ranks on 127.0.0.1 (this program again, with the
 // torchrun variables set); started by torchrun or another launcher that sets RANK, WORLD_SIZE,
@@ -33,6 +35,7 @@
 #include "vlmgen/image/preprocessor_config.h"
 #include "vlmgen/image/qwen_image_processor.h"
 #include "vlmgen/models/qwen2_vl.h"
+#include "vlmgen/text/tokenizer.h"
 
 namespace {
 
@@ -66,6 +69,30 @@ std::vector<int64_t> build_prompt(const std::string& text, const vlmgen::QwenVlC
   return ids;
 }
 
+// --text: the text between "<image>" markers through the tokenizer, images as in --prompt.
+std::vector<int64_t> tokenize_prompt(const std::string& text, const std::string& checkpoint,
+                                     const vlmgen::QwenVlConfig& config, const std::vector<int64_t>& image_tokens) {
+  const auto tokenizer = vlmgen::Tokenizer::from_pretrained(checkpoint);
+  static constexpr std::string_view kMarker = "<image>";
+  std::vector<int64_t> ids;
+  size_t image = 0, from = 0;
+  while (true) {
+    const size_t at = text.find(kMarker, from);
+    const std::vector<int64_t> piece = tokenizer.encode(std::string_view(text).substr(from, at - from));
+    ids.insert(ids.end(), piece.begin(), piece.end());
+    if (at == std::string::npos) break;
+    VLMGEN_CHECK(image < image_tokens.size(), "the text has more <image> markers than the {} --image files",
+                 image_tokens.size());
+    ids.push_back(config.vision_start_token_id);
+    ids.insert(ids.end(), static_cast<size_t>(image_tokens[image++]), config.image_token_id);
+    ids.push_back(config.vision_end_token_id);
+    from = at + kMarker.size();
+  }
+  VLMGEN_CHECK(image == image_tokens.size(), "{} --image files but {} <image> markers in the text", image_tokens.size(),
+               image);
+  return ids;
+}
+
 std::string self_executable(const char* argv0) {
   std::vector<char> path(4096);
   const ssize_t n = ::readlink("/proc/self/exe", path.data(), path.size() - 1);
@@ -79,12 +106,19 @@ int main(int argc, char** argv) {
   CLI::App app("Generate with a Qwen2-VL checkpoint, streaming tokens");
   std::string checkpoint, prompt_text, replay = "span-aware";
   std::vector<std::string> image_paths;
+  std::vector<int64_t> end_ids;
   int64_t max_new_tokens = 16, max_pixels = 0, min_pixels = 0;
   bool no_kv_cache = false;
   double temperature = 0.0;
   uint64_t seed = 0;
   app.add_option("--checkpoint", checkpoint, "directory with config.json and *.safetensors")->required();
-  app.add_option("--prompt", prompt_text, "token ids separated by spaces; <image> marks an image")->required();
+  std::string text;
+  auto* prompt_option =
+      app.add_option("--prompt", prompt_text, "token ids separated by spaces; <image> marks an image");
+  auto* text_option =
+      app.add_option("--text", text, "text for the checkpoint's tokenizer.json; <image> marks an image");
+  prompt_option->excludes(text_option);
+  app.add_option("--end-id", end_ids, "token id that ends generation (repeatable)");
   app.add_option("--image", image_paths, "PNG/JPEG file for each <image>, in order");
   app.add_option("--max-new-tokens", max_new_tokens, "new tokens at most")->capture_default_str();
   app.add_option("--max-pixels", max_pixels,
@@ -108,6 +142,10 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  if (prompt_option->count() + text_option->count() != 1) {
+    fmt::print(stderr, "error: give the prompt as --prompt (token ids) or --text (text)\n");
+    return 2;
+  }
 
   // Started by hand with --nproc N: become the launcher of N ranks running these same arguments.
   const bool in_a_launch = std::getenv("RANK") != nullptr || std::getenv("WORLD_SIZE") != nullptr;
@@ -152,7 +190,8 @@ int main(int argc, char** argv) {
     }
     vlmgen::VisionInputs vision = images.empty() ? vlmgen::VisionInputs() : vlmgen::preprocess(images, options);
     std::vector<int64_t> counts = model->placeholder_counts(vision);
-    std::vector<int64_t> prompt = build_prompt(prompt_text, config, counts);
+    std::vector<int64_t> prompt = text_option->count() > 0 ? tokenize_prompt(text, checkpoint, config, counts)
+                                                           : build_prompt(prompt_text, config, counts);
 
     const std::map<std::string, vlmgen::ReplayMode> modes = {{"span-aware", vlmgen::ReplayMode::kSpanAware},
                                                              {"always", vlmgen::ReplayMode::kAlways},
@@ -162,7 +201,8 @@ int main(int argc, char** argv) {
                           .enable_kv_cache(!no_kv_cache)
                           .replay_mode(modes.at(replay))
                           .temperature(temperature)
-                          .seed(seed);
+                          .seed(seed)
+                          .end_token_ids(end_ids);
     if (lead) {
       if (parallel.tp_size() > 1) {
         fmt::print("tensor parallel: {} ranks, vision tower {}, sequence parallel {}\n", parallel.tp_size(),

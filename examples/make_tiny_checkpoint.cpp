@@ -1,7 +1,10 @@
 // Writes a random tiny Qwen2-VL checkpoint directory (config.json + model.safetensors) that
 // vlmgen-generate and the tests can load like a real one.
 //
-//   vlmgen-make-tiny-checkpoint --out /tmp/tiny-qwen2vl [--seed 7] [--tied]
+//   vlmgen-make-tiny-checkpoint --out /tmp/tiny-qwen2vl [--seed 7] [--tied] [--real-vocab]
+//
+// --real-vocab gives it Qwen2-VL's vocabulary size and special-token ids, so a real Qwen
+// tokenizer.json (and chat template) placed beside it makes a complete chat folder.
 
 #include <fmt/format.h>
 
@@ -16,14 +19,22 @@ int main(int argc, char** argv) {
   CLI::App app("Write a random tiny Qwen2-VL checkpoint (config.json, model.safetensors, preprocessor_config.json)");
   std::string out;
   uint64_t seed = 0;
-  bool tied = false;
+  bool tied = false, real_vocab = false;
   app.add_option("--out", out, "checkpoint directory to write (created when missing)")->required();
   app.add_option("--seed", seed, "seed of the random weights")->capture_default_str();
   app.add_flag("--tied", tied, "tie lm_head to the token embedding (no lm_head.weight stored)");
+  app.add_flag("--real-vocab", real_vocab, "Qwen2-VL's vocabulary size (151936) and vision token ids");
   CLI11_PARSE(app, argc, argv);
   try {
     vlmgen::QwenVlConfig config = vlmgen::QwenVlConfig::tiny();
     config.tie_word_embeddings = tied;
+    if (real_vocab) {
+      config.vocab_size = 151936;
+      config.vision_start_token_id = 151652;
+      config.vision_end_token_id = 151653;
+      config.image_token_id = 151655;
+      config.video_token_id = 151656;
+    }
     vlmgen::Qwen2Vl model(config, seed);
     model.save_checkpoint(out);
     // A complete HF-style folder: the image preprocessing travels with the weights. Up to 64

@@ -26,7 +26,13 @@ jobs="${JOBS:-$(nproc)}"
 
 # libopenblas0-pthread: without it LibTorch's CPU matrix products run tens of times slower.
 packages=(cmake ninja-build g++ ccache pkg-config libtorch-dev libfmt-dev libgtest-dev libgmock-dev
-          libopenblas0-pthread nlohmann-json3-dev libstb-dev libcli11-dev libbenchmark-dev libgloo-dev)
+          libopenblas0-pthread nlohmann-json3-dev libstb-dev libcli11-dev libbenchmark-dev libgloo-dev
+          libpcre2-dev libutf8proc-dev)
+# node/npm run the tokenizer reference tests (scripts/npm-deps.sh). A node from elsewhere
+# (NodeSource ships npm inside its nodejs package) is kept: apt's npm would conflict with it.
+if ! command -v node > /dev/null 2>&1 || ! command -v npm > /dev/null 2>&1; then
+  packages+=(nodejs npm)
+fi
 # The sanitizer build: clang, and compiler-rt's ASan/UBSan runtimes and libFuzzer.
 if [ "$what" = sanitize ]; then packages+=(clang libclang-rt-14-dev); fi
 missing=()
@@ -51,6 +57,7 @@ echo "[dev.sh] configuring $build_dir ($build_type)"
 mkdir -p "$build_dir"
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE="$build_type" > "$build_dir/configure.log" 2>&1 ||
   { cat "$build_dir/configure.log"; exit 1; }
+if [ "$what" = test ]; then bash scripts/npm-deps.sh "$build_dir"; fi
 echo "[dev.sh] building with $jobs jobs"
 start=$(date +%s)
 cmake --build "$build_dir" -j "$jobs"

@@ -1,0 +1,214 @@
+// ChatProcessor (messages → ids + images) and ChatSession (turns kept in step with a context).
+
+#include <ATen/ATen.h>
+
+#include <filesystem>
+
+#include "../io/json_parse.h"
+#include "vlmgen/error.h"
+#include "vlmgen/io/files.h"
+#include "vlmgen/text/chat.h"
+
+namespace vlmgen {
+
+namespace {
+
+int64_t required_token(const Tokenizer& tokenizer, const char* content) {
+  const auto id = tokenizer.token_id(content);
+  VLMGEN_CHECK(id.has_value(), "the tokenizer has no {} token, which a Qwen-VL chat prompt needs around each image",
+               content);
+  return *id;
+}
+
+VisionInputs concat_images(const VisionInputs& a, const VisionInputs& b) {
+  if (a.num_images() == 0) return b;
+  if (b.num_images() == 0) return a;
+  return VisionInputs::patch_flattened(at::cat({a.pixel_values, b.pixel_values}),
+                                       at::cat({a.image_grid_thw, b.image_grid_thw}),
+                                       at::cat({a.image_sizes, b.image_sizes}));
+}
+
+struct ImageRef {
+  size_t message, part;
+  const ContentPart* content;
+};
+
+// Every image part of messages [first, end), in order.
+std::vector<ImageRef> image_parts(const std::vector<ChatMessage>& messages, size_t first) {
+  std::vector<ImageRef> out;
+  for (size_t m = first; m < messages.size(); ++m) {
+    if (messages[m].content_is_string) continue;
+    for (size_t p = 0; p < messages[m].content.size(); ++p) {
+      if (messages[m].content[p].is_image()) out.push_back(ImageRef{m, p, &messages[m].content[p]});
+    }
+  }
+  return out;
+}
+
+Image decode_part(const ImageRef& ref, const std::vector<Image>& images, size_t* next_image) {
+  const ContentPart& part = *ref.content;
+  try {
+    switch (part.kind) {
+      case ContentPart::Kind::kImageFile: return load_image(part.text);
+      case ContentPart::Kind::kImageBytes:
+        return decode_image(reinterpret_cast<const uint8_t*>(part.text.data()), part.text.size(), ImageLimits(),
+                            "image bytes");
+      case ContentPart::Kind::kImagePixels:
+        VLMGEN_CHECK(part.pixels != nullptr, "the image part holds no pixels");
+        return *part.pixels;
+      case ContentPart::Kind::kImagePlaceholder: return images[(*next_image)++];
+      case ContentPart::Kind::kText: break;
+    }
+  } catch (const Error& e) {
+    VLMGEN_FAIL("message {}, part {}: {}", ref.message, ref.part, e.what());
+  }
+  VLMGEN_FAIL("message {}, part {}: not an image part", ref.message, ref.part);
+}
+
+}  // namespace
+
+ChatProcessor::ChatProcessor(const Tokenizer& tokenizer, ChatTemplate chat_template,
+                             QwenImageProcessorOptions image_options)
+    : tokenizer_(tokenizer), template_(std::move(chat_template)), image_options_(std::move(image_options)) {
+  image_options_.validate();
+  vision_tokens_ = VisionTokenIds{required_token(tokenizer, "<|vision_start|>"),
+                                  required_token(tokenizer, "<|image_pad|>"), required_token(tokenizer, "<|vision_end|>")};
+}
+
+ChatProcessor ChatProcessor::from_pretrained(const std::string& dir, const Tokenizer& tokenizer,
+                                             QwenImageProcessorOptions image_options) {
+  return ChatProcessor(tokenizer, ChatTemplate::from_pretrained(dir), std::move(image_options));
+}
+
+ChatPrompt ChatProcessor::build(const std::vector<ChatMessage>& messages, const ChatOptions& options,
+                                const std::vector<Image>& images, size_t first) const {
+  return assemble(template_.render(messages, options, first), messages, images, first);
+}
+
+ChatPrompt ChatProcessor::assemble(const std::vector<ChatSegment>& segments, const std::vector<ChatMessage>& messages,
+                                   const std::vector<Image>& images, size_t first) const {
+  // Count and check before decoding anything.
+  const std::vector<ImageRef> refs = image_parts(messages, first);
+  size_t placeholders = 0;
+  for (const ImageRef& ref : refs) {
+    if (ref.content->kind == ContentPart::Kind::kImagePlaceholder) {
+      VLMGEN_CHECK(placeholders < images.size(),
+                   "message {}, part {} is an image placeholder, but only {} images were given for the placeholders",
+                   ref.message, ref.part, images.size());
+      ++placeholders;
+    }
+  }
+  VLMGEN_CHECK(placeholders == images.size(),
+               "{} images were given but the messages have {} image placeholder parts to take them", images.size(),
+               placeholders);
+  std::vector<Image> decoded;
+  decoded.reserve(refs.size());
+  size_t next_image = 0;
+  for (const ImageRef& ref : refs) decoded.push_back(decode_part(ref, images, &next_image));
+  ChatPrompt prompt;
+  prompt.num_images = static_cast<int64_t>(decoded.size());
+  if (!decoded.empty()) prompt.vision = preprocess(decoded, image_options_);
+  const std::vector<int64_t> counts = prompt.vision.placeholder_counts(image_options_.merge_size());
+
+  int64_t first_image = -1;
+  for (const ChatSegment& s : segments) {
+    if (s.image < 0) {
+      const std::vector<int64_t> ids = tokenizer_.encode(s.text);
+      prompt.ids.insert(prompt.ids.end(), ids.begin(), ids.end());
+      continue;
+    }
+    if (first_image < 0) first_image = s.image;
+    const int64_t local = s.image - first_image;
+    VLMGEN_CHECK(local >= 0 && local < static_cast<int64_t>(counts.size()),
+                 "the rendering has image {} but the messages hold {} images", s.image, counts.size());
+    prompt.ids.push_back(vision_tokens_.vision_start);
+    prompt.ids.insert(prompt.ids.end(), static_cast<size_t>(counts[static_cast<size_t>(local)]),
+                      vision_tokens_.image_pad);
+    prompt.ids.push_back(vision_tokens_.vision_end);
+  }
+  return prompt;
+}
+
+ChatSession::ChatSession(const ChatProcessor& processor, ChatOptions options)
+    : processor_(processor), options_(options) {}
+
+ChatSession::Turn ChatSession::add(std::vector<ChatMessage> new_messages) {
+  VLMGEN_CHECK(!awaiting_reply_, "the last turn has no reply yet: call add_reply with the generated tokens first");
+  VLMGEN_CHECK(!new_messages.empty(), "a turn needs at least one message");
+  std::vector<ChatMessage> messages = messages_;
+  for (ChatMessage& m : new_messages) messages.push_back(std::move(m));
+  const ChatTemplate& tmpl = processor_.chat_template();
+  std::vector<ChatSegment> segments = tmpl.render(messages, options_, first_open_);
+  // The part of the first message already in ids_ (the reply and its header) is not added again.
+  if (!open_text_.empty()) {
+    VLMGEN_CHECK(!segments.empty() && segments[0].image < 0 && segments[0].text.compare(0, open_text_.size(), open_text_) == 0,
+                 "the chat template renders the last reply differently from the tokens generated for it; cannot "
+                 "continue the conversation from its cached ids");
+    segments[0].text.erase(0, open_text_.size());
+  }
+  ChatPrompt prompt = processor_.assemble(segments, messages, {}, first_open_);
+  // The generation prompt: what add_generation_prompt appends to the rendering.
+  ChatOptions closed = options_;
+  closed.add_generation_prompt = false;
+  const std::string with = tmpl.render_text(messages, options_, messages.size());
+  const std::string without = tmpl.render_text(messages, closed, messages.size());
+  VLMGEN_CHECK(with.compare(0, without.size(), without) == 0, "the chat template's generation prompt is not a suffix");
+
+  Turn turn;
+  turn.ids = ids_;
+  turn.ids.insert(turn.ids.end(), prompt.ids.begin(), prompt.ids.end());
+  turn.vision = concat_images(vision_, prompt.vision);
+  turn.new_ids = static_cast<int64_t>(prompt.ids.size());
+  turn.new_images = prompt.num_images;
+  // Commit.
+  messages_ = std::move(messages);
+  ids_ = turn.ids;
+  vision_ = turn.vision;
+  num_images_ += prompt.num_images;
+  first_open_ = messages_.size();
+  open_text_ = with.substr(without.size());
+  awaiting_reply_ = options_.add_generation_prompt;
+  return turn;
+}
+
+void ChatSession::add_reply(const std::vector<int64_t>& tokens) {
+  VLMGEN_CHECK(awaiting_reply_, "no turn is waiting for a reply: add a user message first");
+  const Tokenizer& tokenizer = processor_.tokenizer();
+  std::vector<int64_t> content = tokens;
+  if (!content.empty() && tokenizer.is_special(content.back())) content.pop_back();  // the end token
+  const std::string text = tokenizer.decode(content);
+  messages_.push_back(ChatMessage("assistant", text));
+  open_text_ += text;
+  ids_.insert(ids_.end(), content.begin(), content.end());
+  first_open_ = messages_.size() - 1;
+  awaiting_reply_ = false;
+}
+
+std::vector<int64_t> end_token_ids_from_pretrained(const std::string& dir, const Tokenizer& tokenizer) {
+  namespace fs = std::filesystem;
+  std::vector<int64_t> ids;
+  for (const char* name : {"generation_config.json", "config.json"}) {
+    const std::string path = (fs::path(dir) / name).string();
+    if (!fs::exists(path)) continue;
+    const auto json = detail::parse_json(read_regular_file(path, "config", 64 << 20), path);
+    if (!json.is_object() || !json.contains("eos_token_id") || json["eos_token_id"].is_null()) continue;
+    const auto& value = json["eos_token_id"];
+    for (const auto& v : value.is_array() ? value : nlohmann::json::array({value})) {
+      VLMGEN_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0, "{}: eos_token_id holds {}; expected token ids",
+                   path, detail::json_excerpt(v));
+      ids.push_back(v.get<int64_t>());
+    }
+  }
+  if (tokenizer.eos_token()) {
+    if (auto id = tokenizer.token_id(*tokenizer.eos_token())) ids.push_back(*id);
+  }
+  std::vector<int64_t> unique;
+  for (int64_t id : ids) {
+    if (std::find(unique.begin(), unique.end(), id) == unique.end()) unique.push_back(id);
+  }
+  VLMGEN_CHECK(!unique.empty(), "{}: no end token found (eos_token_id in generation_config.json or config.json, "
+               "eos_token in tokenizer_config.json)", dir);
+  return unique;
+}
+
+}  // namespace vlmgen

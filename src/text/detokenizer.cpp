@@ -1,0 +1,32 @@
+#include "vlmgen/text/detokenizer.h"
+
+#include "utf8.h"
+
+namespace vlmgen {
+
+StreamingDetokenizer::StreamingDetokenizer(const Tokenizer& tokenizer, bool skip_special_tokens)
+    : tokenizer_(tokenizer), skip_special_tokens_(skip_special_tokens) {}
+
+std::string StreamingDetokenizer::push(int64_t id) {
+  std::string out;
+  if (!tokenizer_.has_token(id)) {  // as Tokenizer::decode: what is held, then U+FFFD
+    detail::append_utf8_lossy(out, pending_, true);
+    pending_.clear();
+    out.append("\xEF\xBF\xBD");
+    return out;
+  }
+  if (skip_special_tokens_ && tokenizer_.is_special(id)) return out;
+  pending_.append(tokenizer_.token_bytes(id));
+  const size_t used = detail::append_utf8_lossy(out, pending_, false);
+  pending_.erase(0, used);
+  return out;
+}
+
+std::string StreamingDetokenizer::finish() {
+  std::string out;
+  detail::append_utf8_lossy(out, pending_, true);
+  pending_.clear();
+  return out;
+}
+
+}  // namespace vlmgen

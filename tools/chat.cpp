@@ -1,0 +1,249 @@
+// Chat with a Qwen2-VL checkpoint folder (config, weights, tokenizer, chat template), streaming
+// the answer as text.
+//
+//   vlmgen-chat --model DIR --image beach.jpg "Describe this image."   # one question
+//   vlmgen-chat --model DIR                                            # interactive
+//
+// Interactive: each line is a user turn; "/image PATH" attaches an image to the next turn,
+// "/reset" starts a new conversation, "/quit" (or end of input) leaves. The conversation keeps
+// one KV cache (InferenceContext), so each turn computes only its own new columns and sends
+// only its own new images. Under --nproc N, rank 0 reads the input and sends it to the others.
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "vlmgen/detail/torch_compat.h"
+#include "vlmgen/distributed/communicator.h"
+#include "vlmgen/distributed/launch.h"
+#include "vlmgen/error.h"
+#include "vlmgen/generator.h"
+#include "vlmgen/image/preprocessor_config.h"
+#include "vlmgen/models/qwen2_vl.h"
+#include "vlmgen/text/chat.h"
+#include "vlmgen/text/detokenizer.h"
+
+namespace {
+
+struct Options {
+  std::string model, prompt, system;
+  std::vector<std::string> images;
+  int64_t max_new_tokens = 512, context = 4096, max_pixels = 0, min_pixels = 0;
+  bool no_kv_cache = false, add_vision_id = false, quiet = false, print_ids = false;
+  double temperature = 0.0, top_p = 1.0;
+  uint64_t seed = 0;
+  int nproc = 1;
+  int64_t timeout_s = 600;
+};
+
+std::string self_executable(const char* argv0) {
+  std::vector<char> path(4096);
+  const ssize_t n = ::readlink("/proc/self/exe", path.data(), path.size() - 1);
+  return n > 0 ? std::string(path.data(), static_cast<size_t>(n)) : std::string(argv0);
+}
+
+// Rank 0's line on every rank (false at the end of input).
+bool read_line(const vlmgen::ParallelContext& parallel, std::string* line) {
+  bool ok = true;
+  if (parallel.rank() == 0) {
+    fmt::print("> ");
+    std::fflush(stdout);
+    ok = static_cast<bool>(std::getline(std::cin, *line));
+  }
+  if (parallel.tp_size() == 1) return ok;
+  at::Tensor size = at::full({1}, ok ? static_cast<int64_t>(line->size()) : int64_t{-1}, at::kLong);
+  parallel.tp_group()->broadcast(size, 0);
+  const int64_t n = size.item<int64_t>();
+  if (n < 0) return false;
+  at::Tensor bytes = at::zeros({n}, at::kByte);
+  if (parallel.rank() == 0) std::memcpy(bytes.data_ptr(), line->data(), static_cast<size_t>(n));
+  parallel.tp_group()->broadcast(bytes, 0);
+  line->assign(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(n));
+  return true;
+}
+
+class ChatRunner {
+ public:
+  ChatRunner(const Options& options, vlmgen::ParallelContext parallel)
+      : options_(options), parallel_(std::move(parallel)), lead_(parallel_.rank() == 0) {
+    model_ = vlmgen::Qwen2Vl::from_checkpoint(options.model, parallel_);
+    tokenizer_ = std::make_unique<vlmgen::Tokenizer>(vlmgen::Tokenizer::from_pretrained(options.model));
+    std::string source;
+    auto image_options = vlmgen::checkpoint_image_processor(options.model, model_->config(), &source);
+    if (options.max_pixels > 0) image_options.max_pixels(options.max_pixels);
+    if (options.min_pixels > 0) image_options.min_pixels(options.min_pixels);
+    processor_ = std::make_unique<vlmgen::ChatProcessor>(
+        vlmgen::ChatProcessor::from_pretrained(options.model, *tokenizer_, image_options));
+    end_ids_ = vlmgen::end_token_ids_from_pretrained(options.model, *tokenizer_);
+    if (lead_ && !options.quiet) {
+      fmt::print(stderr, "model {}: {} layers, vocab {}; chat template {}; images preprocessed with {}; end tokens {}\n",
+                 options.model, model_->config().num_hidden_layers, tokenizer_->vocab_size(),
+                 processor_->chat_template().name(), source, fmt::join(end_ids_, ","));
+    }
+    reset();
+  }
+
+  void reset() {
+    vlmgen::ChatOptions chat_options;
+    chat_options.add_vision_id = options_.add_vision_id;
+    session_ = std::make_unique<vlmgen::ChatSession>(*processor_, chat_options);
+    context_.reset();
+    if (!options_.no_kv_cache) {
+      context_ = vlmgen::InferenceContext::allocate(model_->traits().kv_cache, 1, options_.context,
+                                                    model_->device());
+    }
+    first_turn_ = true;
+  }
+
+  // One user turn: streams the answer; returns false when it failed (the session is unchanged).
+  bool turn(const std::string& text, std::vector<std::string>& images) {
+    std::vector<vlmgen::ChatMessage> messages;
+    if (first_turn_ && !options_.system.empty()) messages.emplace_back("system", options_.system);
+    vlmgen::ChatMessage user("user");
+    for (const auto& path : images) user.image_file(path);
+    user.text(text);
+    messages.push_back(std::move(user));
+    try {
+      const auto t = session_->add(std::move(messages));
+      images.clear();
+      first_turn_ = false;
+      auto config = vlmgen::GenerationConfig()
+                        .max_new_tokens(options_.max_new_tokens)
+                        .enable_kv_cache(!options_.no_kv_cache)
+                        .temperature(options_.temperature)
+                        .top_p(options_.top_p)
+                        .seed(options_.seed)
+                        .end_token_ids(end_ids_);
+      vlmgen::StreamingDetokenizer detok(*tokenizer_, /*skip_special_tokens=*/true);
+      vlmgen::GenerateRequest request({t.ids}, t.vision, context_.get());
+      request.on_token = [&](const vlmgen::TokenEvent& e) {
+        if (lead_) {
+          fmt::print("{}", detok.push(e.token));
+          std::fflush(stdout);
+        }
+        return true;
+      };
+      const auto result = vlmgen::Generator(*model_, parallel_).generate(request, config);
+      const auto& out = result.sequences[0];
+      try {
+        session_->add_reply(out.tokens);
+      } catch (const vlmgen::Error&) {
+        reset();  // the reply cannot be continued from; start over rather than mis-cache
+        throw;
+      }
+      if (lead_) {
+        fmt::print("{}\n", detok.finish());
+        if (options_.print_ids) {
+          fmt::print(stderr, "prompt ids: {}\nanswer ids: {}\n", fmt::join(t.ids, " "), fmt::join(out.tokens, " "));
+        }
+        if (!options_.quiet) {
+          fmt::print(stderr, "[{} new prompt tokens ({} in all, {} images), {} tokens, {}; first token {:.2f} s, {:.1f} "
+                     "tokens/s]\n", t.new_ids, t.ids.size(), session_->num_images(), out.tokens.size(),
+                     vlmgen::to_string(out.finish_reason), result.stats.time_to_first_token_s,
+                     result.stats.decode_tokens_per_s);
+        }
+      }
+      return true;
+    } catch (const vlmgen::Error& e) {
+      if (lead_) fmt::print(stderr, "\nerror: {}\n", e.what());
+      return false;
+    }
+  }
+
+ private:
+  const Options& options_;
+  vlmgen::ParallelContext parallel_;
+  bool lead_;
+  std::shared_ptr<vlmgen::Qwen2Vl> model_;
+  std::unique_ptr<vlmgen::Tokenizer> tokenizer_;
+  std::unique_ptr<vlmgen::ChatProcessor> processor_;
+  std::unique_ptr<vlmgen::ChatSession> session_;
+  std::unique_ptr<vlmgen::InferenceContext> context_;
+  std::vector<int64_t> end_ids_;
+  bool first_turn_ = true;
+};
+
+int run_interactive(ChatRunner& runner, const vlmgen::ParallelContext& parallel, std::vector<std::string> images) {
+  const bool lead = parallel.rank() == 0;
+  if (lead) fmt::print(stderr, "interactive chat: /image PATH attaches an image, /reset, /quit\n");
+  std::string line;
+  while (read_line(parallel, &line)) {
+    if (line == "/quit" || line == "/exit") break;
+    if (line.empty()) continue;
+    if (line == "/reset") {
+      runner.reset();
+      images.clear();
+      if (lead) fmt::print(stderr, "(new conversation)\n");
+      continue;
+    }
+    if (line.rfind("/image ", 0) == 0) {
+      images.push_back(line.substr(7));
+      if (lead) fmt::print(stderr, "(image {} attached to the next turn)\n", images.back());
+      continue;
+    }
+    runner.turn(line, images);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  vlmgen::detail::prefer_passive_openmp_wait(argv);
+  CLI::App app("Chat with a Qwen2-VL checkpoint folder, streaming text");
+  Options o;
+  app.add_option("--model", o.model, "HF checkpoint folder: config.json, *.safetensors, tokenizer.json, chat template")
+      ->required();
+  app.add_option("prompt", o.prompt, "the question (without it: an interactive chat on standard input)");
+  app.add_option("--image", o.images, "PNG/JPEG file for the (first) turn, before its text (repeatable)")
+      ->allow_extra_args(false);
+  app.add_option("--system", o.system, "system message (default: the template's own)");
+  app.add_option("--max-new-tokens", o.max_new_tokens, "new tokens per answer at most")->capture_default_str();
+  app.add_option("--context", o.context, "KV-cache columns for the whole conversation")->capture_default_str();
+  app.add_flag("--no-kv-cache", o.no_kv_cache, "recompute the whole conversation at every step");
+  app.add_option("--temperature", o.temperature, "0 = greedy")->capture_default_str();
+  app.add_option("--top-p", o.top_p, "nucleus sampling mass")->capture_default_str();
+  app.add_option("--seed", o.seed, "sampling seed")->capture_default_str();
+  app.add_option("--max-pixels", o.max_pixels, "resize images to at most this many pixels");
+  app.add_option("--min-pixels", o.min_pixels, "resize images to at least this many pixels");
+  app.add_flag("--add-vision-id", o.add_vision_id, "write \"Picture N: \" before each image");
+  app.add_flag("--quiet", o.quiet, "print only the answers");
+  app.add_flag("--print-ids", o.print_ids, "after each answer, print the prompt's and the answer's token ids");
+  app.add_option("--nproc", o.nproc, "tensor-parallel ranks to start on this machine")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--timeout", o.timeout_s, "seconds a rank waits for its peers")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  const bool in_a_launch = std::getenv("RANK") != nullptr || std::getenv("WORLD_SIZE") != nullptr;
+  if (o.nproc > 1 && !in_a_launch) {
+    std::vector<std::string> args = {self_executable(argv[0])};
+    args.insert(args.end(), argv + 1, argv + argc);
+    vlmgen::LaunchOptions launch;
+    launch.timeout = std::chrono::hours(24 * 365);
+    try {
+      return vlmgen::launch_local_ranks(o.nproc, args, launch);
+    } catch (const vlmgen::Error& e) {
+      fmt::print(stderr, "error: {}\n", e.what());
+      return 1;
+    }
+  }
+  try {
+    vlmgen::ParallelContext parallel = vlmgen::init_parallel_from_env(
+        0, vlmgen::DistributedOptions().timeout(std::chrono::seconds(o.timeout_s)));
+    ChatRunner runner(o, parallel);
+    if (o.prompt.empty()) return run_interactive(runner, parallel, o.images);
+    std::vector<std::string> images = o.images;
+    return runner.turn(o.prompt, images) ? 0 : 1;
+  } catch (const vlmgen::Error& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  }
+}
