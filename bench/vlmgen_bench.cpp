@@ -1,6 +1,7 @@
 // vlmgen-bench: speed figures of the generation loop and the reference model.
 //
 //   vlmgen-bench --report [--json out.json] [--quick] [--threads N]   one table of figures and ratios
+//   vlmgen-bench --tokenizer [--mb 10] [--rounds 3]     tokenizer vs the JS implementation
 //   vlmgen-bench [--benchmark_filter=...]               Google Benchmark micro benchmarks
 //
 // The report measures, in one run: KV-cache and no-cache decode time per token at several
@@ -35,6 +36,9 @@
 #include "vlmgen/sampling.h"
 
 namespace vlmgen::bench {
+
+int run_tokenizer_report(int64_t megabytes, int rounds);  // tokenizer_report.cpp
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -357,13 +361,21 @@ BENCHMARK(BM_Greedy)->Arg(152064);
 
 int main(int argc, char** argv) {
   vlmgen::detail::prefer_passive_openmp_wait(argv);
-  bool report = false, quick = false;
+  bool report = false, quick = false, tokenizer = false;
+  int64_t megabytes = 10;
+  int rounds = 3;
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   std::string json;
   std::vector<char*> rest = {argv[0]};
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--report") == 0) {
       report = true;
+    } else if (std::strcmp(argv[i], "--tokenizer") == 0) {
+      tokenizer = true;
+    } else if (std::strcmp(argv[i], "--mb") == 0 && i + 1 < argc) {
+      megabytes = std::max(1, std::atoi(argv[++i]));
+    } else if (std::strcmp(argv[i], "--rounds") == 0 && i + 1 < argc) {
+      rounds = std::max(1, std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
     } else if (std::strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
@@ -375,6 +387,7 @@ int main(int argc, char** argv) {
     }
   }
   try {
+    if (tokenizer) return vlmgen::bench::run_tokenizer_report(megabytes, rounds);
     if (report) return vlmgen::bench::run_report(quick, json, threads);
   } catch (const vlmgen::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -9,6 +9,8 @@
 // one KV cache (InferenceContext), so each turn computes only its own new columns and sends
 // only its own new images. Under --nproc N, rank 0 reads the input and sends it to the others.
 
+#include "vlmgen/text/chat.h"
+
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -27,7 +29,6 @@
 #include "vlmgen/generator.h"
 #include "vlmgen/image/preprocessor_config.h"
 #include "vlmgen/models/qwen2_vl.h"
-#include "vlmgen/text/chat.h"
 #include "vlmgen/text/detokenizer.h"
 
 namespace {
@@ -83,7 +84,8 @@ class ChatRunner {
         vlmgen::ChatProcessor::from_pretrained(options.model, *tokenizer_, image_options));
     end_ids_ = vlmgen::end_token_ids_from_pretrained(options.model, *tokenizer_);
     if (lead_ && !options.quiet) {
-      fmt::print(stderr, "model {}: {} layers, vocab {}; chat template {}; images preprocessed with {}; end tokens {}\n",
+      fmt::print(stderr,
+                 "model {}: {} layers, vocab {}; chat template {}; images preprocessed with {}; end tokens {}\n",
                  options.model, model_->config().num_hidden_layers, tokenizer_->vocab_size(),
                  processor_->chat_template().name(), source, fmt::join(end_ids_, ","));
     }
@@ -96,8 +98,7 @@ class ChatRunner {
     session_ = std::make_unique<vlmgen::ChatSession>(*processor_, chat_options);
     context_.reset();
     if (!options_.no_kv_cache) {
-      context_ = vlmgen::InferenceContext::allocate(model_->traits().kv_cache, 1, options_.context,
-                                                    model_->device());
+      context_ = vlmgen::InferenceContext::allocate(model_->traits().kv_cache, 1, options_.context, model_->device());
     }
     first_turn_ = true;
   }
@@ -144,8 +145,10 @@ class ChatRunner {
           fmt::print(stderr, "prompt ids: {}\nanswer ids: {}\n", fmt::join(t.ids, " "), fmt::join(out.tokens, " "));
         }
         if (!options_.quiet) {
-          fmt::print(stderr, "[{} new prompt tokens ({} in all, {} images), {} tokens, {}; first token {:.2f} s, {:.1f} "
-                     "tokens/s]\n", t.new_ids, t.ids.size(), session_->num_images(), out.tokens.size(),
+          fmt::print(stderr,
+                     "[{} new prompt tokens ({} in all, {} images), {} tokens, {}; first token {:.2f} s, {:.1f} "
+                     "tokens/s]\n",
+                     t.new_ids, t.ids.size(), session_->num_images(), out.tokens.size(),
                      vlmgen::to_string(out.finish_reason), result.stats.time_to_first_token_s,
                      result.stats.decode_tokens_per_s);
         }
@@ -236,8 +239,8 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    vlmgen::ParallelContext parallel = vlmgen::init_parallel_from_env(
-        0, vlmgen::DistributedOptions().timeout(std::chrono::seconds(o.timeout_s)));
+    vlmgen::ParallelContext parallel =
+        vlmgen::init_parallel_from_env(0, vlmgen::DistributedOptions().timeout(std::chrono::seconds(o.timeout_s)));
     ChatRunner runner(o, parallel);
     if (o.prompt.empty()) return run_interactive(runner, parallel, o.images);
     std::vector<std::string> images = o.images;

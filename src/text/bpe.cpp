@@ -99,8 +99,8 @@ void BpeMerges::encode_long(std::string_view piece, const std::array<int32_t, 25
   const auto n = static_cast<int32_t>(piece.size());
   std::vector<Symbol> symbols(static_cast<size_t>(n));
   for (int32_t i = 0; i < n; ++i) {
-    symbols[static_cast<size_t>(i)] = Symbol{byte_ids[static_cast<uint8_t>(piece[static_cast<size_t>(i)])], i - 1,
-                                             i + 1 < n ? i + 1 : -1, true};
+    symbols[static_cast<size_t>(i)] =
+        Symbol{byte_ids[static_cast<uint8_t>(piece[static_cast<size_t>(i)])], i - 1, i + 1 < n ? i + 1 : -1, true};
   }
   // (rank, position of the left symbol, left id, right id); smallest rank, then leftmost.
   using Candidate = std::tuple<int32_t, int32_t, int32_t, int32_t>;
@@ -130,7 +130,8 @@ void BpeMerges::encode_long(std::string_view piece, const std::array<int32_t, 25
     consider(l.prev);
     consider(left);
   }
-  for (int32_t i = 0; i >= 0; i = symbols[static_cast<size_t>(i)].next) out.push_back(symbols[static_cast<size_t>(i)].id);
+  for (int32_t i = 0; i >= 0; i = symbols[static_cast<size_t>(i)].next)
+    out.push_back(symbols[static_cast<size_t>(i)].id);
 }
 
 }  // namespace vlmgen::detail

@@ -38,9 +38,8 @@ std::vector<ChatSegment> render_qwen2_vl(const std::vector<ChatMessage>& message
     const ChatMessage& m = messages[i];
     VLMGEN_CHECK(!m.role.empty(), "message {}: the role is empty; expected system, user or assistant", i);
     if (i < first) {
-      if (!m.content_is_string) images += std::count_if(m.content.begin(), m.content.end(), [](const ContentPart& p) {
-        return p.is_image();
-      });
+      if (!m.content_is_string)
+        images += std::count_if(m.content.begin(), m.content.end(), [](const ContentPart& p) { return p.is_image(); });
       continue;
     }
     if (i == 0 && m.role != "system") text("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n");
@@ -122,9 +121,10 @@ ChatTemplate ChatTemplate::from_source(const std::string& source, const std::str
     return qwen2_vl();
   }
   const ContentHash hash = Sha256().update(source.data(), source.size()).finish();
-  VLMGEN_FAIL("{}: this chat template ({} bytes, sha256 {}, starting {}) is not one vlmgen renders; supported: the "
-              "Qwen2-VL template (qwen2-vl). Render the prompt yourself and pass token ids instead",
-              what, source.size(), to_hex(hash).substr(0, 16), quote_excerpt(source, 48));
+  VLMGEN_FAIL(
+      "{}: this chat template ({} bytes, sha256 {}, starting {}) is not one vlmgen renders; supported: the "
+      "Qwen2-VL template (qwen2-vl). Render the prompt yourself and pass token ids instead",
+      what, source.size(), to_hex(hash).substr(0, 16), quote_excerpt(source, 48));
 }
 
 ChatTemplate ChatTemplate::from_pretrained(const std::string& dir) {
@@ -135,9 +135,10 @@ ChatTemplate ChatTemplate::from_pretrained(const std::string& dir) {
     const std::string path = (fs::path(dir) / name).string();
     if (auto source = template_in_json(path)) return from_source(*source, path);
   }
-  VLMGEN_FAIL("{} has no chat template: looked for chat_template.jinja, chat_template.json and \"chat_template\" in "
-              "tokenizer_config.json",
-              dir);
+  VLMGEN_FAIL(
+      "{} has no chat template: looked for chat_template.jinja, chat_template.json and \"chat_template\" in "
+      "tokenizer_config.json",
+      dir);
 }
 
 std::vector<ChatSegment> ChatTemplate::render(const std::vector<ChatMessage>& messages, const ChatOptions& options,

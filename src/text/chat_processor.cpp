@@ -71,8 +71,9 @@ ChatProcessor::ChatProcessor(const Tokenizer& tokenizer, ChatTemplate chat_templ
                              QwenImageProcessorOptions image_options)
     : tokenizer_(tokenizer), template_(std::move(chat_template)), image_options_(std::move(image_options)) {
   image_options_.validate();
-  vision_tokens_ = VisionTokenIds{required_token(tokenizer, "<|vision_start|>"),
-                                  required_token(tokenizer, "<|image_pad|>"), required_token(tokenizer, "<|vision_end|>")};
+  vision_tokens_ =
+      VisionTokenIds{required_token(tokenizer, "<|vision_start|>"), required_token(tokenizer, "<|image_pad|>"),
+                     required_token(tokenizer, "<|vision_end|>")};
 }
 
 ChatProcessor ChatProcessor::from_pretrained(const std::string& dir, const Tokenizer& tokenizer,
@@ -141,9 +142,10 @@ ChatSession::Turn ChatSession::add(std::vector<ChatMessage> new_messages) {
   std::vector<ChatSegment> segments = tmpl.render(messages, options_, first_open_);
   // The part of the first message already in ids_ (the reply and its header) is not added again.
   if (!open_text_.empty()) {
-    VLMGEN_CHECK(!segments.empty() && segments[0].image < 0 && segments[0].text.compare(0, open_text_.size(), open_text_) == 0,
-                 "the chat template renders the last reply differently from the tokens generated for it; cannot "
-                 "continue the conversation from its cached ids");
+    VLMGEN_CHECK(
+        !segments.empty() && segments[0].image < 0 && segments[0].text.compare(0, open_text_.size(), open_text_) == 0,
+        "the chat template renders the last reply differently from the tokens generated for it; cannot "
+        "continue the conversation from its cached ids");
     segments[0].text.erase(0, open_text_.size());
   }
   ChatPrompt prompt = processor_.assemble(segments, messages, {}, first_open_);
@@ -206,8 +208,10 @@ std::vector<int64_t> end_token_ids_from_pretrained(const std::string& dir, const
   for (int64_t id : ids) {
     if (std::find(unique.begin(), unique.end(), id) == unique.end()) unique.push_back(id);
   }
-  VLMGEN_CHECK(!unique.empty(), "{}: no end token found (eos_token_id in generation_config.json or config.json, "
-               "eos_token in tokenizer_config.json)", dir);
+  VLMGEN_CHECK(!unique.empty(),
+               "{}: no end token found (eos_token_id in generation_config.json or config.json, "
+               "eos_token in tokenizer_config.json)",
+               dir);
   return unique;
 }
 

@@ -126,8 +126,8 @@ void RegexSplitter::split(std::string_view text, std::vector<std::string_view>& 
       continue;
     }
     if (rc == PCRE2_ERROR_NOMATCH) break;
-    VLMGEN_CHECK(rc >= 0, "{}: matching the pre-tokenizer regex failed at byte {} of {}: {}", state_->what, start,
-                 size, pcre2_message(rc));
+    VLMGEN_CHECK(rc >= 0, "{}: matching the pre-tokenizer regex failed at byte {} of {}: {}", state_->what, start, size,
+                 pcre2_message(rc));
     const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(md.data);
     const size_t begin = ovector[0], end = ovector[1];
     if (end == begin) {  // an empty match is no piece; step over one character

@@ -99,8 +99,10 @@ Tokenizer Tokenizer::from_file(const std::string& tokenizer_json_path) {
 Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
   namespace fs = std::filesystem;
   const fs::path json = fs::path(dir) / "tokenizer.json";
-  VLMGEN_CHECK(fs::exists(json), "{} has no tokenizer.json: expected the tokenizer of the checkpoint there "
-               "(HF folders ship it beside config.json)", dir);
+  VLMGEN_CHECK(fs::exists(json),
+               "{} has no tokenizer.json: expected the tokenizer of the checkpoint there "
+               "(HF folders ship it beside config.json)",
+               dir);
   Tokenizer tokenizer = from_file(json.string());
   const fs::path config = fs::path(dir) / "tokenizer_config.json";
   if (fs::exists(config)) {
@@ -112,9 +114,10 @@ Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
 
 std::vector<int64_t> Tokenizer::encode(std::string_view text, const EncodeOptions& options) const {
   if (const auto bad = detail::find_invalid_utf8(text)) {
-    VLMGEN_FAIL("the text to encode is not valid UTF-8: byte 0x{:02X} at offset {} of {} does not start or continue "
-                "a character",
-                static_cast<uint8_t>(text[*bad]), *bad, text.size());
+    VLMGEN_FAIL(
+        "the text to encode is not valid UTF-8: byte 0x{:02X} at offset {} of {} does not start or continue "
+        "a character",
+        static_cast<uint8_t>(text[*bad]), *bad, text.size());
   }
   const Impl& impl = *impl_;
   const int special = options.parse_special_tokens ? 1 : 0;

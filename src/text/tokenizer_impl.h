@@ -41,8 +41,8 @@ class AddedTokenMatcher {
 struct Tokenizer::Impl {
   enum class Kind : uint8_t { kNone, kVocab, kAdded, kSpecial };
 
-  std::vector<std::string> id_bytes;  // [vocab_size]: the raw bytes each id stands for
-  std::vector<Kind> kinds;            // [vocab_size]
+  std::vector<std::string> id_bytes;               // [vocab_size]: the raw bytes each id stands for
+  std::vector<Kind> kinds;                         // [vocab_size]
   std::unordered_map<std::string, int32_t> vocab;  // raw bytes → id, the BPE vocabulary
   std::array<int32_t, 256> byte_ids{};             // the token of each single byte
   detail::BpeMerges merges;

@@ -11,8 +11,8 @@ namespace vlmgen {
 
 namespace {
 
-using nlohmann::json;
 using detail::json_excerpt;
+using nlohmann::json;
 
 // The pre-tokenizer regex of ByteLevel with use_regex (GPT-2's).
 constexpr std::string_view kByteLevelRegex =
@@ -90,7 +90,7 @@ class TokenizerJsonReader : public nlohmann::json_sax<json> {
  public:
   explicit TokenizerJsonReader(std::string what) : what_(std::move(what)) {}
 
-  json rest;  // the document without model.vocab and model.merges
+  json rest;                                           // the document without model.vocab and model.merges
   std::vector<std::pair<std::string, int64_t>> vocab;  // token text, id
   std::vector<std::pair<std::string, std::string>> merges;
   bool saw_vocab = false, saw_merges = false;
@@ -293,8 +293,8 @@ void set_token(Tokenizer::Impl& impl, int32_t id, std::string bytes, Tokenizer::
 
 void load_bpe(Tokenizer::Impl& impl, const json& model, const TokenizerJsonReader& reader, const std::string& what) {
   const std::string type = type_of(model);
-  VLMGEN_CHECK(type == "BPE", "{}: model type {} is not supported (vlmgen's tokenizer implements byte-level BPE)",
-               what, type);
+  VLMGEN_CHECK(type == "BPE", "{}: model type {} is not supported (vlmgen's tokenizer implements byte-level BPE)", what,
+               type);
   VLMGEN_CHECK(!flag(model, "byte_fallback", false), "{}: BPE with byte_fallback is not supported", what);
   const auto dropout = model.find("dropout");
   VLMGEN_CHECK(dropout == model.end() || dropout->is_null() || (dropout->is_number() && dropout->get<double>() == 0.0),
@@ -320,8 +320,8 @@ void load_bpe(Tokenizer::Impl& impl, const json& model, const TokenizerJsonReade
   }
   for (int b = 0; b < 256; ++b) {
     const auto it = impl.vocab.find(std::string(1, static_cast<char>(b)));
-    VLMGEN_CHECK(it != impl.vocab.end(), "{}: the vocabulary has no token for byte 0x{:02X}; byte-level BPE needs all 256",
-                 what, b);
+    VLMGEN_CHECK(it != impl.vocab.end(),
+                 "{}: the vocabulary has no token for byte 0x{:02X}; byte-level BPE needs all 256", what, b);
     impl.byte_ids[static_cast<size_t>(b)] = it->second;
   }
 
@@ -379,8 +379,6 @@ std::optional<std::string> token_name(const json& config, const char* key, const
                "{}: \"{}\" is {}; expected a string or {{\"content\": \"...\"}}", what, key, json_excerpt(*it));
   return (*it)["content"].get<std::string>();
 }
-
-
 
 }  // namespace
 

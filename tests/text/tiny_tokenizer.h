@@ -42,7 +42,8 @@ inline std::string chars(const std::string& bytes) {
 
 // A small byte-level BPE: ids 0..255 are the bytes, then the merged tokens in `merges` order.
 inline json tiny_tokenizer(const std::vector<std::pair<std::string, std::string>>& merges,
-                    const std::string& pattern = R"(\s+|\S+)", const std::vector<std::string>& more_special = {}) {
+                           const std::string& pattern = R"(\s+|\S+)",
+                           const std::vector<std::string>& more_special = {}) {
   json vocab = json::object();
   for (int b = 0; b < 256; ++b) vocab[byte_char(b)] = b;
   json merge_list = json::array();
@@ -55,22 +56,22 @@ inline json tiny_tokenizer(const std::vector<std::pair<std::string, std::string>
   json added = json::array({json{{"id", 1000}, {"content", "<|x|>"}, {"special", true}, {"normalized", false}},
                             json{{"id", 1001}, {"content", "<y>"}, {"special", false}, {"normalized", false}}});
   for (const std::string& content : more_special) {
-    added.push_back(json{{"id", 1002 + added.size() - 2}, {"content", content}, {"special", true}, {"normalized", false}});
+    added.push_back(
+        json{{"id", 1002 + added.size() - 2}, {"content", content}, {"special", true}, {"normalized", false}});
   }
-  return json{{"version", "1.0"},
-              {"added_tokens", added},
-              {"normalizer", {{"type", "NFC"}}},
-              {"pre_tokenizer",
-               {{"type", "Sequence"},
-                {"pretokenizers",
-                 json::array({json{{"type", "Split"},
-                                   {"pattern", {{"Regex", pattern}}},
-                                   {"behavior", "Isolated"},
-                                   {"invert", false}},
-                              json{{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}})}}},
-              {"post_processor", {{"type", "ByteLevel"}}},
-              {"decoder", {{"type", "ByteLevel"}}},
-              {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", merge_list}}}};
+  return json{
+      {"version", "1.0"},
+      {"added_tokens", added},
+      {"normalizer", {{"type", "NFC"}}},
+      {"pre_tokenizer",
+       {{"type", "Sequence"},
+        {"pretokenizers",
+         json::array(
+             {json{{"type", "Split"}, {"pattern", {{"Regex", pattern}}}, {"behavior", "Isolated"}, {"invert", false}},
+              json{{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}})}}},
+      {"post_processor", {{"type", "ByteLevel"}}},
+      {"decoder", {{"type", "ByteLevel"}}},
+      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", merge_list}}}};
 }
 
 }  // namespace vlmgen::testing_text

@@ -2,8 +2,11 @@
 // real Qwen tokenizer against the JavaScript implementation of HF tokenizers, the streaming
 // detokenizer, and what it refuses.
 
+#include "vlmgen/text/tokenizer.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
@@ -17,15 +20,14 @@
 #include "tiny_tokenizer.h"
 #include "vlmgen/error.h"
 #include "vlmgen/text/detokenizer.h"
-#include "vlmgen/text/tokenizer.h"
 
 namespace {
 
 using nlohmann::json;
-using vlmgen::testing_text::byte_char;
-using vlmgen::testing_text::tiny_tokenizer;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using vlmgen::testing_text::byte_char;
+using vlmgen::testing_text::tiny_tokenizer;
 
 vlmgen::Tokenizer load(const json& j) { return vlmgen::Tokenizer::from_json(j.dump()); }
 
@@ -101,8 +103,8 @@ TEST(Tokenizer, NormalizesToNfcBeforeSplitting) {
 
 TEST(Tokenizer, RefusesInvalidUtf8NamingTheOffset) {
   auto tok = load(tiny_tokenizer({}));
-  for (const std::string& bad : {std::string("ab\xFF"), std::string("ab\xC3"), std::string("\xED\xA0\x80"),
-                                 std::string("x\xC0\xAF")}) {
+  for (const std::string& bad :
+       {std::string("ab\xFF"), std::string("ab\xC3"), std::string("\xED\xA0\x80"), std::string("x\xC0\xAF")}) {
     try {
       tok.encode(bad);
       FAIL() << "accepted invalid UTF-8";
@@ -117,10 +119,10 @@ TEST(Tokenizer, RefusesInvalidUtf8NamingTheOffset) {
 TEST(Tokenizer, DecodeReplacesBrokenUtf8AndUnknownIdsWithReplacementCharacters) {
   auto tok = load(tiny_tokenizer({}));
   const std::string fffd = "\xEF\xBF\xBD";
-  EXPECT_EQ(tok.decode({0xE2, 0x82}), fffd);                  // a cut-short sequence: one U+FFFD
-  EXPECT_EQ(tok.decode({0xE2, 0x82, 0xAC}), "\u20AC");        // whole: the euro sign
+  EXPECT_EQ(tok.decode({0xE2, 0x82}), fffd);                    // a cut-short sequence: one U+FFFD
+  EXPECT_EQ(tok.decode({0xE2, 0x82, 0xAC}), "\u20AC");          // whole: the euro sign
   EXPECT_EQ(tok.decode({0xFF, 'a', 0x80}), fffd + "a" + fffd);  // stray bytes: one each
-  EXPECT_EQ(tok.decode({'a', 5000, 'b'}), "a" + fffd + "b");  // no such id
+  EXPECT_EQ(tok.decode({'a', 5000, 'b'}), "a" + fffd + "b");    // no such id
 }
 
 TEST(StreamingDetokenizer, HoldsACharacterUntilItIsWholeAndEmitsItOnce) {
@@ -133,8 +135,8 @@ TEST(StreamingDetokenizer, HoldsACharacterUntilItIsWholeAndEmitsItOnce) {
   EXPECT_EQ(detok.pending_bytes(), 3u);
   EXPECT_EQ(detok.push(0x80), "\U0001F600");
   EXPECT_EQ(detok.push(0xE2), "");
-  EXPECT_EQ(detok.finish(), "\xEF\xBF\xBD");  // the stream ended inside a character
-  EXPECT_EQ(detok.push('b'), "b");           // and a new stream starts clean
+  EXPECT_EQ(detok.finish(), "\xEF\xBF\xBD");    // the stream ended inside a character
+  EXPECT_EQ(detok.push('b'), "b");              // and a new stream starts clean
   EXPECT_EQ(detok.push(0xFF), "\xEF\xBF\xBD");  // never valid: replaced at once
 }
 

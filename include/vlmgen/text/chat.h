@@ -30,7 +30,7 @@ namespace vlmgen {
 struct ContentPart {
   enum class Kind { kText, kImageFile, kImageBytes, kImagePixels, kImagePlaceholder };
   Kind kind = Kind::kText;
-  std::string text;        ///< kText: the text; kImageFile: the path; kImageBytes: the bytes
+  std::string text;                     ///< kText: the text; kImageFile: the path; kImageBytes: the bytes
   std::shared_ptr<const Image> pixels;  ///< kImagePixels
 
   bool is_image() const { return kind != Kind::kText; }
@@ -95,8 +95,7 @@ class ChatTemplate {
                                   size_t first = 0) const;
   /// The rendering as one string, each image written as the template writes it (Qwen-VL:
   /// `<|vision_start|><|image_pad|><|vision_end|>`), as a Jinja engine would render it.
-  std::string render_text(const std::vector<ChatMessage>& messages, const ChatOptions& options,
-                          size_t first = 0) const;
+  std::string render_text(const std::vector<ChatMessage>& messages, const ChatOptions& options, size_t first = 0) const;
 
  private:
   explicit ChatTemplate(std::string name) : name_(std::move(name)) {}
@@ -191,8 +190,8 @@ class ChatSession {
   std::vector<int64_t> ids_;
   VisionInputs vision_;
   int64_t num_images_ = 0;
-  size_t first_open_ = 0;    // first message whose rendering is not wholly in ids_
-  std::string open_text_;    // text of messages [first_open_, end) already in ids_
+  size_t first_open_ = 0;  // first message whose rendering is not wholly in ids_
+  std::string open_text_;  // text of messages [first_open_, end) already in ids_
   bool awaiting_reply_ = false;
 };
 
