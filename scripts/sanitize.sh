@@ -50,7 +50,7 @@ echo "[sanitize] built in $((built - start)) s"
 tested=$(date +%s)
 echo "[sanitize] tests passed in $((tested - built)) s"
 
-for target in safetensors checkpoint config image; do
+for target in safetensors checkpoint config image tokenizer; do
   mkdir -p "$dir/fuzz/corpus/$target"
   log="$dir/fuzz/$target.log"
   # -timeout: an input that takes 10 s is a finding (a decoder kept busy), not patience.

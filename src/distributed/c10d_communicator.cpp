@@ -3,6 +3,8 @@
 
 #include "c10d_communicator.h"
 
+#include <c10/core/InferenceMode.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -73,6 +75,13 @@ class StoreHost {
   std::atomic<bool> failed_{false};
 };
 
+// Runs `f` with InferenceMode off, so the tensors a transport makes (outputs) are normal ones.
+template <typename F>
+auto normal_mode(F&& f) {
+  c10::InferenceMode off(false);
+  return f();
+}
+
 class C10dCommunicator final : public Communicator {
  public:
   C10dCommunicator(std::shared_ptr<StoreHost> host, int64_t rank, int64_t size, std::chrono::milliseconds timeout,
@@ -95,7 +104,7 @@ class C10dCommunicator final : public Communicator {
     run("all_reduce_sum", [&] {
       Collectives& transport = route(tensor);
       at::Tensor staged = stage(tensor, transport);
-      transport.all_reduce_sum(staged);
+      normal_mode([&] { transport.all_reduce_sum(staged); });
       if (!staged.is_same(tensor)) tensor.copy_(staged);
     });
   }
@@ -107,7 +116,9 @@ class C10dCommunicator final : public Communicator {
     at::Tensor result;
     run("all_gather", [&] {
       Collectives& transport = route(tensor);
-      std::vector<at::Tensor> parts = transport.all_gather(stage(tensor, transport));
+      const at::Tensor staged = stage(tensor, transport);
+      std::vector<at::Tensor> parts;
+      normal_mode([&] { parts = transport.all_gather(staged); });
       result = at::cat(parts, d).to(tensor.device(), tensor.scalar_type());
     });
     return result;
@@ -124,7 +135,9 @@ class C10dCommunicator final : public Communicator {
     run("reduce_scatter_sum", [&] {
       Collectives& transport = route(tensor);
       // The transports split along dim 0 of a contiguous tensor.
-      at::Tensor chunk = transport.reduce_scatter_sum(stage(tensor.movedim(d, 0), transport));
+      const at::Tensor staged = stage(tensor.movedim(d, 0), transport);
+      at::Tensor chunk;
+      normal_mode([&] { chunk = transport.reduce_scatter_sum(staged); });
       result = chunk.movedim(0, d).to(tensor.device(), tensor.scalar_type());
     });
     return result;
@@ -137,7 +150,7 @@ class C10dCommunicator final : public Communicator {
     run("broadcast", [&] {
       Collectives& transport = route(tensor);
       at::Tensor staged = stage(tensor, transport);
-      transport.broadcast(staged, root);
+      normal_mode([&] { transport.broadcast(staged, root); });
       if (!staged.is_same(tensor)) tensor.copy_(staged);
     });
   }
@@ -170,6 +183,10 @@ class C10dCommunicator final : public Communicator {
     at::Tensor staged = tensor;
     if (&transport == cpu_.get() && !staged.is_cpu()) staged = staged.to(at::kCPU);
     if (!transport.supports(staged.scalar_type())) staged = staged.to(at::kFloat);
+    // c10d works on the tensors from its own threads, where InferenceMode (thread-local) is
+    // off: an inference tensor (made under the generator's InferenceMode) may not be written
+    // there, so the transport gets a normal copy.
+    if (staged.is_inference()) return normal_mode([&] { return staged.clone(at::MemoryFormat::Contiguous); });
     return staged.contiguous();
   }
 
