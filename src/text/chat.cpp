@@ -1,11 +1,15 @@
 #include "vlmgen/text/chat.h"
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 
 #include "../io/json_parse.h"
 #include "chat_templates.h"
 #include "vlmgen/content_hash.h"
+#include "vlmgen/detail/tensor_utils.h"
 #include "vlmgen/error.h"
 #include "vlmgen/io/files.h"
 
@@ -107,6 +111,16 @@ ChatMessage& ChatMessage::image(Image pixels) {
   content_is_string = false;
   content.push_back(image_part(ContentPart::Kind::kImagePixels, {}, std::make_shared<const Image>(std::move(pixels))));
   return *this;
+}
+ChatMessage& ChatMessage::image(const at::Tensor& hwc_rgb) {
+  VLMGEN_CHECK(hwc_rgb.defined() && hwc_rgb.dim() == 3 && hwc_rgb.size(2) == 3 && hwc_rgb.scalar_type() == at::kByte &&
+                   hwc_rgb.size(0) > 0 && hwc_rgb.size(1) > 0,
+               "an image tensor must be [height, width, 3] uint8 RGB, got {} {}", detail::shape_str(hwc_rgb),
+               hwc_rgb.defined() ? c10::toString(hwc_rgb.scalar_type()) : "undefined");
+  const at::Tensor pixels = hwc_rgb.to(at::kCPU).contiguous();
+  Image decoded{pixels.size(0), pixels.size(1), std::vector<uint8_t>(static_cast<size_t>(pixels.numel()))};
+  std::memcpy(decoded.rgb.data(), pixels.data_ptr<uint8_t>(), decoded.rgb.size());
+  return image(std::move(decoded));
 }
 ChatMessage& ChatMessage::image_placeholder() {
   content_is_string = false;

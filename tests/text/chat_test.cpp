@@ -219,6 +219,21 @@ TEST_F(ChatProcessorTest, ExpandsEachImageToItsGridCountAndBundlesTheImagesInOrd
             "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n" + six);
 }
 
+TEST_F(ChatProcessorTest, ATensorImageIsThePicturesPixels) {
+  const vlmgen::Image pixels = picture(16, 24, 5);
+  const at::Tensor hwc = at::from_blob(const_cast<uint8_t*>(pixels.rgb.data()), {16, 24, 3}, at::kByte).clone();
+  const auto from_tensor = processor_.build({vlmgen::ChatMessage("user").image(hwc)});
+  const auto from_image = processor_.build({vlmgen::ChatMessage("user").image(pixels)});
+  EXPECT_EQ(from_tensor.ids, from_image.ids);
+  EXPECT_TRUE(at::equal(from_tensor.vision.pixel_values, from_image.vision.pixel_values));
+  try {
+    vlmgen::ChatMessage("user").image(at::zeros({16, 24}, at::kFloat));
+    FAIL() << "took a 2-D float tensor as an image";
+  } catch (const vlmgen::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("[height, width, 3] uint8"));
+  }
+}
+
 TEST_F(ChatProcessorTest, PlaceholderPartsTakeTheGivenImagesAndCountsMustMatch) {
   std::vector<vlmgen::ChatMessage> messages = {
       vlmgen::ChatMessage("user").image_placeholder().text("a").image_placeholder()};

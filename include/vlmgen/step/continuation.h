@@ -67,8 +67,9 @@ inline void check_continuation(const InferenceContext& context, const at::Tensor
     auto it = std::find_if(spans.begin(), spans.end(), [&](const ImageSpan& s) {
       return s.row == held.row && s.begin == held.begin && s.end == held.end;
     });
-    VLMGEN_CHECK(it != spans.end(), "the context holds an image at row {} columns [{}, {}) but the request has none there",
-                 held.row, held.begin, held.end);
+    VLMGEN_CHECK(it != spans.end(),
+                 "the context holds an image at row {} columns [{}, {}) but the request has none there", held.row,
+                 held.begin, held.end);
     VLMGEN_CHECK(fingerprints.at(static_cast<size_t>(it->image)) == held.fingerprint,
                  "the request's image {} (row {} columns [{}, {})) is not the picture cached there; a "
                  "continuation must bring the same images, or truncate the context before them",
@@ -77,11 +78,11 @@ inline void check_continuation(const InferenceContext& context, const at::Tensor
   for (const ImageSpan& s : spans) {
     if (s.end > cached) continue;
     const auto& held = context.cached_images();
-    VLMGEN_CHECK(
-        std::any_of(held.begin(), held.end(), [&](const CachedImage& h) { return h.row == s.row && h.begin == s.begin; }),
-        "the request's image {} (row {} columns [{}, {})) lies in the context's cached columns, but "
-        "the context holds no image there (those placeholders were cached without pixels)",
-        s.image, s.row, s.begin, s.end);
+    VLMGEN_CHECK(std::any_of(held.begin(), held.end(),
+                             [&](const CachedImage& h) { return h.row == s.row && h.begin == s.begin; }),
+                 "the request's image {} (row {} columns [{}, {})) lies in the context's cached columns, but "
+                 "the context holds no image there (those placeholders were cached without pixels)",
+                 s.image, s.row, s.begin, s.end);
   }
 }
 

@@ -16,8 +16,8 @@ namespace vlmgen::detail {
 
 inline void check_window_logits(const at::Tensor& logits, int64_t batch, int64_t columns, bool last_column_only,
                                 const ModelTraits& traits, bool vocab_parallel, int64_t tp_size) {
-  const bool columns_ok = logits.defined() && logits.dim() == 3 &&
-                          (logits.size(1) == columns || (last_column_only && logits.size(1) == 1));
+  const bool columns_ok =
+      logits.defined() && logits.dim() == 3 && (logits.size(1) == columns || (last_column_only && logits.size(1) == 1));
   if (vocab_parallel) {
     VLMGEN_CHECK(columns_ok && logits.size(0) == batch && logits.size(2) * tp_size >= traits.vocab_size,
                  "the model returned vocab-parallel logits {} for a window of [{}, {}, >= {} / {}]: tensor-parallel "

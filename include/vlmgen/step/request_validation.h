@@ -131,13 +131,13 @@ namespace vlmgen::detail {
 /// length.
 struct RequestLayout {
   int64_t batch = 0;
-  int64_t prompt_len = 0;   ///< columns of the left-padded prompts
-  int64_t max_new = 0;      ///< GenerationConfig::max_new_tokens
-  int64_t total = 0;        ///< prompt_len + max_new
-  int64_t fed_columns = 0;  ///< columns a KV cache must hold (the last token is never fed)
-  std::vector<int64_t> pads;    ///< [batch], left padding of each row
-  std::vector<int64_t> counts;  ///< [num_images], placeholder rows of each image
-  std::vector<ImageSpan> spans; ///< every image's placeholder run, in padded columns
+  int64_t prompt_len = 0;        ///< columns of the left-padded prompts
+  int64_t max_new = 0;           ///< GenerationConfig::max_new_tokens
+  int64_t total = 0;             ///< prompt_len + max_new
+  int64_t fed_columns = 0;       ///< columns a KV cache must hold (the last token is never fed)
+  std::vector<int64_t> pads;     ///< [batch], left padding of each row
+  std::vector<int64_t> counts;   ///< [num_images], placeholder rows of each image
+  std::vector<ImageSpan> spans;  ///< every image's placeholder run, in padded columns
 };
 
 /// Lays out a request that passed validate_request: pads, the image spans (placeholder counts

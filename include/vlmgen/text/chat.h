@@ -51,6 +51,9 @@ struct ChatMessage {
   ChatMessage& image_file(std::string path);
   ChatMessage& image_bytes(std::string encoded);
   ChatMessage& image(Image pixels);
+  /// A decoded picture as a tensor: [height, width, 3], uint8, RGB (copied; vlmgen::Error for
+  /// another shape or dtype).
+  ChatMessage& image(const at::Tensor& hwc_rgb);
   ChatMessage& image_placeholder();
 
   std::string role;
