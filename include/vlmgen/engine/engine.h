@@ -1,0 +1,281 @@
+#pragma once
+
+// vlmgen::Engine: requests submitted from any thread, served by one step loop that admits them
+// while others decode. Each step, every running request makes its next forward call and takes
+// its next token (RequestStepper, the same pieces the synchronous Generator runs), so a request
+// gets the span rule, the encoder cache, sampling and stop rules exactly as with Generator and
+// the same tokens. Admission is bounded by a KV-cache byte budget: a request waits until its
+// KV cache fits, and one that can never fit is refused at submit.
+//
+//   vlmgen::Engine engine(model, vlmgen::EngineOptions().max_running(8).kv_cache_bytes(1 << 30));
+//   auto handle = engine.submit({{prompt}, vision}, vlmgen::GenerationConfig().max_new_tokens(64));
+//   vlmgen::GenerationResult result = handle->wait();   // or handle->cancel()
+//
+// This first engine steps its running requests one after another (one forward call per request
+// per step); batching them into one forward call needs per-row windows in ForwardArgs.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <future>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "vlmgen/error.h"
+#include "vlmgen/model.h"
+#include "vlmgen/parallel.h"
+#include "vlmgen/request.h"
+#include "vlmgen/step/request_stepper.h"
+
+namespace vlmgen {
+
+/// Options of an Engine.
+class EngineOptions {
+ public:
+  /// Requests stepping at once (>= 1). Default 16.
+  EngineOptions& max_running(int64_t value) {
+    max_running_ = value;
+    return *this;
+  }
+  int64_t max_running() const { return max_running_; }
+  /// KV-cache bytes all running requests may hold together (> 0). Default 1 GiB.
+  EngineOptions& kv_cache_bytes(int64_t value) {
+    kv_cache_bytes_ = value;
+    return *this;
+  }
+  int64_t kv_cache_bytes() const { return kv_cache_bytes_; }
+
+ private:
+  int64_t max_running_ = 16;
+  int64_t kv_cache_bytes_ = int64_t{1} << 30;
+};
+
+/// What the engine is doing, read at any time from any thread.
+struct EngineMetrics {
+  int64_t running = 0;            ///< requests stepping
+  int64_t waiting = 0;            ///< submitted, not yet admitted
+  int64_t finished = 0;           ///< completed with a result (cancelled ones included)
+  int64_t failed = 0;             ///< completed with an error
+  int64_t kv_bytes_used = 0;      ///< KV cache held by running requests
+  int64_t kv_bytes_budget = 0;    ///< EngineOptions::kv_cache_bytes
+  int64_t max_running_seen = 0;   ///< most requests ever running at once
+  int64_t generated_tokens = 0;   ///< over all finished requests
+  int64_t steps = 0;              ///< step-loop iterations that ran a request
+};
+
+/// A submitted request: its result (or error) when it ends, and a way to cancel it.
+class RequestHandle {
+ public:
+  /// Blocks until the request ends; returns its result or rethrows its error.
+  GenerationResult wait() { return future_.get(); }
+  /// Whether it has ended.
+  bool done() const { return future_.wait_for(std::chrono::seconds(0)) == std::future_status::ready; }
+  /// Ends every unfinished row with kCancelled before the request's next step (a waiting
+  /// request ends without running).
+  void cancel() { cancel_.store(true); }
+
+ private:
+  friend class Engine;
+  RequestHandle() : future_(promise_.get_future().share()) {}
+  std::promise<GenerationResult> promise_;
+  std::shared_future<GenerationResult> future_;
+  std::atomic<bool> cancel_{false};
+};
+
+class Engine {
+ public:
+  /// Starts the step loop on its own thread. `model` must outlive the engine and is used only
+  /// by that thread.
+  explicit Engine(CausalVlm& model, EngineOptions options = EngineOptions())
+      : model_(model), options_(options), parallel_(ParallelContext::single()) {
+    VLMGEN_CHECK(options.max_running() >= 1, "max_running must be >= 1, got {}", options.max_running());
+    VLMGEN_CHECK(options.kv_cache_bytes() > 0, "kv_cache_bytes must be > 0, got {}", options.kv_cache_bytes());
+    metrics_.kv_bytes_budget = options.kv_cache_bytes();
+    loop_ = std::thread([this] { run(); });
+  }
+  /// Cancels what is waiting or running, lets those requests end (with kCancelled), and stops
+  /// the loop.
+  ~Engine() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+      for (auto& w : waiting_) w.handle->cancel();
+    }
+    wake_.notify_all();
+    loop_.join();
+  }
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  /// Queues a request (one or more rows; GenerateRequest::context must be null: the engine
+  /// gives each request its own KV cache; GenerateRequest::cancel is replaced by the handle's
+  /// cancel()). The streaming callback runs on the engine's thread. Throws vlmgen::Error at
+  /// once when the request's KV cache alone exceeds the budget; every other check runs when it
+  /// is admitted, and its error ends the request (wait() rethrows it).
+  std::shared_ptr<RequestHandle> submit(GenerateRequest request, GenerationConfig config) {
+    VLMGEN_CHECK(request.context == nullptr,
+                 "an engine request cannot bring its own InferenceContext; the engine allocates each request's");
+    const int64_t need = kv_bytes_needed(request, config);
+    VLMGEN_CHECK(need <= options_.kv_cache_bytes(),
+                 "the request needs {} bytes of KV cache ({} rows x {} columns) but the engine's whole budget is {}",
+                 need, request.prompts.size(), columns_needed(request, config), options_.kv_cache_bytes());
+    std::shared_ptr<RequestHandle> handle(new RequestHandle());
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      VLMGEN_CHECK(!stopping_, "the engine is shutting down");
+      waiting_.push_back(Waiting{std::move(request), std::move(config), handle, need});
+      metrics_.waiting = static_cast<int64_t>(waiting_.size());
+    }
+    wake_.notify_all();
+    return handle;
+  }
+
+  EngineMetrics metrics() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return metrics_;
+  }
+
+ private:
+  struct Waiting {
+    GenerateRequest request;
+    GenerationConfig config;
+    std::shared_ptr<RequestHandle> handle;
+    int64_t kv_bytes;
+  };
+  struct Running {
+    std::unique_ptr<detail::RequestStepper> stepper;
+    std::shared_ptr<RequestHandle> handle;
+    int64_t kv_bytes;
+  };
+
+  static int64_t columns_needed(const GenerateRequest& request, const GenerationConfig& config) {
+    int64_t longest = 0;
+    for (const auto& p : request.prompts) longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
+    return longest + std::max<int64_t>(config.max_new_tokens() - 1, 0);
+  }
+  int64_t kv_bytes_needed(const GenerateRequest& request, const GenerationConfig& config) const {
+    const ModelTraits& traits = model_.traits();
+    if (!config.enable_kv_cache() || !traits.supports_kv_cache) return 0;
+    return traits.kv_cache.bytes_per_token() * static_cast<int64_t>(request.prompts.size()) *
+           columns_needed(request, config);
+  }
+
+  // Takes the waiting requests that fit (slots and KV budget) off the queue and books their KV
+  // bytes. Called with the lock held.
+  std::vector<Waiting> admit(int64_t running) {
+    std::vector<Waiting> admitted;
+    while (!waiting_.empty() && running + static_cast<int64_t>(admitted.size()) < options_.max_running() &&
+           metrics_.kv_bytes_used + waiting_.front().kv_bytes <= options_.kv_cache_bytes()) {
+      metrics_.kv_bytes_used += waiting_.front().kv_bytes;
+      admitted.push_back(std::move(waiting_.front()));
+      waiting_.pop_front();
+    }
+    metrics_.waiting = static_cast<int64_t>(waiting_.size());
+    return admitted;
+  }
+
+  void run() {
+    std::list<Running> running;  // only this thread touches it
+    while (true) {
+      std::vector<Waiting> admitted;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return stopping_ || !running.empty() || !waiting_.empty(); });
+        if (stopping_) {
+          for (Running& r : running) r.handle->cancel();
+          if (running.empty() && waiting_.empty()) return;
+        }
+        admitted = admit(static_cast<int64_t>(running.size()));
+      }
+      for (Waiting& w : admitted) start(std::move(w), running);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        metrics_.running = static_cast<int64_t>(running.size());
+        metrics_.max_running_seen = std::max(metrics_.max_running_seen, metrics_.running);
+        if (!running.empty()) ++metrics_.steps;
+      }
+      for (auto it = running.begin(); it != running.end();) it = step(running, it);
+    }
+  }
+
+  // Builds a request's stepper (outside the lock: validation and allocation take time). A
+  // request cancelled while waiting ends without running; one that fails to start ends with
+  // its error.
+  void start(Waiting w, std::list<Running>& running) {
+    if (w.handle->cancel_.load()) {
+      GenerationResult result;
+      result.sequences.resize(w.request.prompts.size());
+      for (auto& s : result.sequences) s.finish_reason = FinishReason::kCancelled;
+      end(w.kv_bytes, /*failed=*/false, 0);
+      w.handle->promise_.set_value(std::move(result));
+      return;
+    }
+    w.request.cancel = &w.handle->cancel_;
+    const bool want_kv = w.config.enable_kv_cache();
+    const ModelTraits& traits = model_.traits();
+    try {
+      auto stepper = std::make_unique<detail::RequestStepper>(
+          model_, parallel_, std::move(w.request), std::move(w.config), [&](const detail::RequestLayout&) {
+            return decide_kv_cache(want_kv, traits.supports_kv_cache, traits.kv_cache_under_sequence_parallel,
+                                   parallel_);
+          });
+      running.push_back(Running{std::move(stepper), w.handle, w.kv_bytes});
+    } catch (...) {
+      end(w.kv_bytes, /*failed=*/true, 0);
+      w.handle->promise_.set_exception(std::current_exception());
+    }
+  }
+
+  // One step of a running request; ends it (result or error) when it is done. The metrics
+  // count a request as ended before its handle is fulfilled.
+  std::list<Running>::iterator step(std::list<Running>& running, std::list<Running>::iterator it) {
+    std::shared_ptr<RequestHandle> handle = it->handle;
+    try {
+      if (it->stepper->step()) return std::next(it);
+      GenerationResult result = it->stepper->finish();
+      const int64_t tokens = result.stats.generated_tokens;
+      const auto next = retire(running, it, /*failed=*/false, tokens);
+      handle->promise_.set_value(std::move(result));
+      return next;
+    } catch (...) {  // this request's error; the others go on
+      const auto next = retire(running, it, /*failed=*/true, 0);
+      handle->promise_.set_exception(std::current_exception());
+      return next;
+    }
+  }
+
+  std::list<Running>::iterator retire(std::list<Running>& running, std::list<Running>::iterator it, bool failed,
+                                      int64_t tokens) {
+    end(it->kv_bytes, failed, tokens);
+    auto next = running.erase(it);  // frees the request's KV cache
+    std::lock_guard<std::mutex> lock(mutex_);
+    metrics_.running = static_cast<int64_t>(running.size());
+    return next;
+  }
+
+  void end(int64_t kv_bytes, bool failed, int64_t tokens) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    metrics_.kv_bytes_used -= kv_bytes;
+    ++(failed ? metrics_.failed : metrics_.finished);
+    metrics_.generated_tokens += tokens;
+  }
+
+  CausalVlm& model_;
+  const EngineOptions options_;
+  const ParallelContext parallel_;
+  mutable std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<Waiting> waiting_;        // guarded by mutex_
+  bool stopping_ = false;               // guarded by mutex_
+  EngineMetrics metrics_;               // guarded by mutex_
+  std::thread loop_;
+};
+
+}  // namespace vlmgen

@@ -1,0 +1,220 @@
+// vlmgen::Engine: requests from several threads at staggered times get the tokens the
+// synchronous Generator gives each alone; the KV budget bounds admission without losing a
+// request; cancellation and a failing model end only their own request.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "test_util.h"
+#include "vlmgen/engine/engine.h"
+#include "vlmgen/generator.h"
+#include "vlmgen/testing/fake_vlm.h"
+
+namespace vlmgen {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Case {
+  GenerateRequest request;
+  GenerationConfig config;
+};
+
+// 32 requests: text-only and with one or two images, prompt lengths 3..40, different budgets,
+// greedy and seeded sampling, with and without a KV cache.
+std::vector<Case> cases(int64_t image_token) {
+  std::vector<Case> out;
+  for (int i = 0; i < 32; ++i) {
+    std::vector<int64_t> text;
+    for (int k = 0; k < 3 + (i * 7) % 38; ++k) text.push_back((i * 13 + k * 5) % 60);
+    Case c;
+    if (i % 3 == 1) {
+      c.request.prompts = {test::prompt_with_image(text, image_token, 4, {7, 8})};
+      c.request.vision = test::make_images({{1, 4, 4}}, static_cast<uint64_t>(i));
+    } else if (i % 3 == 2) {
+      auto p = test::prompt_with_image(text, image_token, 4, {9});
+      c.request.prompts = {test::prompt_with_image(p, image_token, 2, {10, 11})};
+      c.request.vision = test::make_images({{1, 4, 4}, {1, 2, 4}}, static_cast<uint64_t>(100 + i));
+    } else {
+      c.request.prompts = {text};
+    }
+    c.config.max_new_tokens(4 + i % 9).enable_kv_cache(i % 4 != 3);
+    if (i % 2 == 1) c.config.temperature(0.8).top_p(0.9).seed(static_cast<uint64_t>(1000 + i));
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+TEST(Engine, StaggeredRequestsFromFourThreadsEqualTheGeneratorAlone) {
+  testing::FakeVlm model;
+  const std::vector<Case> all = cases(*model.traits().image_token_id);
+  std::vector<GenerationResult> expected;
+  for (const Case& c : all) expected.push_back(Generator(model).generate(c.request, c.config));
+
+  Engine engine(model, EngineOptions().max_running(6));
+  std::vector<std::shared_ptr<RequestHandle>> handles(all.size());
+  std::vector<std::vector<int64_t>> streamed(all.size());
+  // Request 0's first token waits until every request is in, so that requests overlap however
+  // fast the model is; the others arrive while it runs.
+  std::atomic<int> submitted{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (size_t i = static_cast<size_t>(t); i < all.size(); i += 4) {
+        GenerateRequest request = all[i].request;
+        request.on_token = [&streamed, &submitted, i](const TokenEvent& e) {
+          while (i == 0 && submitted.load() < 32) std::this_thread::yield();
+          streamed[i].push_back(e.token);
+          return true;
+        };
+        handles[i] = engine.submit(request, all[i].config);
+        ++submitted;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1 + (i * 3) % 5));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < all.size(); ++i) {
+    const GenerationResult got = handles[i]->wait();
+    ASSERT_EQ(got.sequences.size(), 1u);
+    EXPECT_EQ(got.sequences[0].tokens, expected[i].sequences[0].tokens) << "request " << i;
+    EXPECT_EQ(got.sequences[0].finish_reason, expected[i].sequences[0].finish_reason) << "request " << i;
+    EXPECT_EQ(streamed[i], got.sequences[0].tokens) << "request " << i;
+  }
+  const EngineMetrics m = engine.metrics();
+  EXPECT_EQ(m.finished, 32);
+  EXPECT_EQ(m.failed, 0);
+  EXPECT_EQ(m.kv_bytes_used, 0);
+  EXPECT_LE(m.max_running_seen, 6);
+  EXPECT_EQ(m.max_running_seen, 6);  // requests did overlap, up to the limit
+}
+
+TEST(Engine, AKvBudgetForThreeRunsTenToTheEndAndRefusesOneThatCanNeverFit) {
+  testing::FakeVlm model;
+  const int64_t per_token = model.traits().kv_cache.bytes_per_token();
+  ASSERT_GT(per_token, 0);
+  // Each request: 10-token prompt + 6 new tokens → 15 columns.
+  const int64_t per_request = per_token * 15;
+  Engine engine(model, EngineOptions().max_running(16).kv_cache_bytes(3 * per_request + per_request / 2));
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  std::vector<GenerationResult> expected;
+  std::vector<std::vector<int64_t>> prompts;
+  const auto config = GenerationConfig().max_new_tokens(6);
+  for (int i = 0; i < 10; ++i) {
+    std::vector<int64_t> prompt;
+    for (int k = 0; k < 10; ++k) prompt.push_back((i * 11 + k) % 60);
+    expected.push_back(Generator(model).generate({{prompt}}, config));
+    prompts.push_back(prompt);
+  }
+  // The first request's first token waits until all ten are in, so the budget is what limits.
+  std::atomic<bool> all_in{false};
+  for (int i = 0; i < 10; ++i) {
+    GenerateRequest request({prompts[static_cast<size_t>(i)]});
+    if (i == 0) {
+      request.on_token = [&all_in](const TokenEvent&) {
+        while (!all_in.load()) std::this_thread::yield();
+        return true;
+      };
+    }
+    handles.push_back(engine.submit(request, config));
+  }
+  all_in = true;
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(handles[i]->wait().sequences[0].tokens, expected[i].sequences[0].tokens);
+  EXPECT_EQ(engine.metrics().max_running_seen, 3);
+  EXPECT_EQ(engine.metrics().kv_bytes_used, 0);
+
+  std::vector<int64_t> long_prompt(100, 5);
+  try {
+    engine.submit({{long_prompt}}, GenerationConfig().max_new_tokens(10));
+    FAIL() << "accepted a request larger than the whole budget";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("bytes of KV cache"));
+    EXPECT_THAT(e.what(), HasSubstr("whole budget"));
+  }
+}
+
+TEST(Engine, CancellingMidDecodeEndsThatRequestAndFreesItsCache) {
+  testing::FakeVlm model;
+  Engine engine(model, EngineOptions().max_running(2));
+  std::shared_ptr<RequestHandle> victim;
+  std::atomic<int> seen{0};
+  std::atomic<bool> submitted{false};
+  GenerateRequest request({{1, 2, 3, 4}});
+  request.on_token = [&](const TokenEvent&) {
+    if (++seen == 3) {
+      while (!submitted.load()) std::this_thread::yield();
+      victim->cancel();
+    }
+    return true;
+  };
+  victim = engine.submit(request, GenerationConfig().max_new_tokens(50));
+  submitted = true;
+  auto other = engine.submit(GenerateRequest({{5, 6, 7}}), GenerationConfig().max_new_tokens(8));
+  const GenerationResult cancelled = victim->wait();
+  EXPECT_EQ(cancelled.sequences[0].finish_reason, FinishReason::kCancelled);
+  EXPECT_GE(cancelled.sequences[0].tokens.size(), 3u);
+  EXPECT_LT(cancelled.sequences[0].tokens.size(), 50u);
+  EXPECT_EQ(other->wait().sequences[0].tokens,
+            Generator(model).generate(GenerateRequest({{5, 6, 7}}), GenerationConfig().max_new_tokens(8)).sequences[0].tokens);
+  EXPECT_EQ(engine.metrics().kv_bytes_used, 0);
+}
+
+// Throws on any window holding token 50; otherwise FakeVlm.
+class PoisonedVlm : public testing::FakeVlm {
+ public:
+  at::Tensor forward(const ForwardArgs& args) override {
+    if ((args.input_ids == 50).any().item<bool>()) throw std::runtime_error("poisoned window");
+    return FakeVlm::forward(args);
+  }
+};
+
+TEST(Engine, AModelErrorEndsOnlyItsRequestAndBadInputEndsOnlyItsOwn) {
+  PoisonedVlm model;
+  Engine engine(model, EngineOptions().max_running(4));
+  auto good = engine.submit(GenerateRequest({{1, 2, 3}}), GenerationConfig().max_new_tokens(6));
+  auto poisoned = engine.submit(GenerateRequest({{4, 50, 6}}), GenerationConfig().max_new_tokens(6));
+  auto bad = engine.submit(GenerateRequest({{1, 2, 999}}), GenerationConfig().max_new_tokens(6));  // outside the vocabulary
+  EXPECT_THROW(
+      {
+        try {
+          poisoned->wait();
+        } catch (const std::runtime_error& e) {
+          EXPECT_STREQ(e.what(), "poisoned window");
+          throw;
+        }
+      },
+      std::runtime_error);
+  try {
+    bad->wait();
+    FAIL() << "ran a prompt with a token outside the vocabulary";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("outside the vocabulary"));
+  }
+  EXPECT_EQ(good->wait().sequences[0].tokens.size(), 6u);
+  auto after = engine.submit(GenerateRequest({{7, 8}}), GenerationConfig().max_new_tokens(3));  // still serving
+  EXPECT_EQ(after->wait().sequences[0].tokens.size(), 3u);
+  const EngineMetrics m = engine.metrics();
+  EXPECT_EQ(m.failed, 2);
+  EXPECT_EQ(m.finished, 2);
+  EXPECT_EQ(m.kv_bytes_used, 0);
+}
+
+TEST(Engine, DestroyingItCancelsWhatIsLeft) {
+  testing::FakeVlm model;
+  std::shared_ptr<RequestHandle> handle;
+  {
+    Engine engine(model, EngineOptions().max_running(1));
+    handle = engine.submit(GenerateRequest({{1, 2, 3}}), GenerationConfig().max_new_tokens(100000));
+    engine.submit(GenerateRequest({{4, 5}}), GenerationConfig().max_new_tokens(3));
+  }
+  EXPECT_EQ(handle->wait().sequences[0].finish_reason, FinishReason::kCancelled);
+}
+
+}  // namespace
+}  // namespace vlmgen
