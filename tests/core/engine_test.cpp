@@ -2,6 +2,8 @@
 // synchronous Generator gives each alone; the KV budget bounds admission without losing a
 // request; cancellation and a failing model end only their own request.
 
+#include "vlmgen/engine/engine.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -12,7 +14,6 @@
 #include <vector>
 
 #include "test_util.h"
-#include "vlmgen/engine/engine.h"
 #include "vlmgen/generator.h"
 #include "vlmgen/testing/fake_vlm.h"
 
@@ -161,7 +162,10 @@ TEST(Engine, CancellingMidDecodeEndsThatRequestAndFreesItsCache) {
   EXPECT_GE(cancelled.sequences[0].tokens.size(), 3u);
   EXPECT_LT(cancelled.sequences[0].tokens.size(), 50u);
   EXPECT_EQ(other->wait().sequences[0].tokens,
-            Generator(model).generate(GenerateRequest({{5, 6, 7}}), GenerationConfig().max_new_tokens(8)).sequences[0].tokens);
+            Generator(model)
+                .generate(GenerateRequest({{5, 6, 7}}), GenerationConfig().max_new_tokens(8))
+                .sequences[0]
+                .tokens);
   EXPECT_EQ(engine.metrics().kv_bytes_used, 0);
 }
 
@@ -179,7 +183,8 @@ TEST(Engine, AModelErrorEndsOnlyItsRequestAndBadInputEndsOnlyItsOwn) {
   Engine engine(model, EngineOptions().max_running(4));
   auto good = engine.submit(GenerateRequest({{1, 2, 3}}), GenerationConfig().max_new_tokens(6));
   auto poisoned = engine.submit(GenerateRequest({{4, 50, 6}}), GenerationConfig().max_new_tokens(6));
-  auto bad = engine.submit(GenerateRequest({{1, 2, 999}}), GenerationConfig().max_new_tokens(6));  // outside the vocabulary
+  auto bad =
+      engine.submit(GenerateRequest({{1, 2, 999}}), GenerationConfig().max_new_tokens(6));  // outside the vocabulary
   EXPECT_THROW(
       {
         try {
@@ -203,6 +208,62 @@ TEST(Engine, AModelErrorEndsOnlyItsRequestAndBadInputEndsOnlyItsOwn) {
   EXPECT_EQ(m.failed, 2);
   EXPECT_EQ(m.finished, 2);
   EXPECT_EQ(m.kv_bytes_used, 0);
+}
+
+TEST(Engine, APictureSeenBeforeIsNotEncodedAgainAndADifferentOneIs) {
+  testing::FakeVlmOptions options;
+  options.can_encode_images = true;
+  testing::FakeVlm model(options);
+  const int64_t image = *model.traits().image_token_id;
+  const VisionInputs beach = test::make_images({{1, 4, 4}}, 7), dogs = test::make_images({{1, 4, 4}}, 8);
+  const GenerateRequest first({test::prompt_with_image({1, 2}, image, 4, {3})}, beach);
+  const GenerateRequest again({test::prompt_with_image({5, 6, 7}, image, 4, {8, 9})}, beach);  // other text
+  const GenerateRequest other({test::prompt_with_image({1, 2}, image, 4, {3})}, dogs);
+  const auto config = GenerationConfig().max_new_tokens(5);
+  std::vector<std::vector<int64_t>> expected;
+  for (const auto* r : {&first, &again, &other})
+    expected.push_back(Generator(model).generate(*r, config).sequences[0].tokens);
+
+  Engine engine(model, EngineOptions().encoder_cache_bytes(1 << 20));
+  const int64_t runs = model.vision_tower_runs();
+  EXPECT_EQ(engine.submit(first, config)->wait().sequences[0].tokens, expected[0]);
+  EXPECT_EQ(model.vision_tower_runs(), runs + 1);
+  EXPECT_EQ(engine.submit(again, config)->wait().sequences[0].tokens, expected[1]);
+  EXPECT_EQ(model.vision_tower_runs(), runs + 1);  // the same pixels: taken from the cache
+  EXPECT_EQ(engine.submit(other, config)->wait().sequences[0].tokens, expected[2]);
+  EXPECT_EQ(model.vision_tower_runs(), runs + 2);  // a different picture is encoded
+  const EngineMetrics m = engine.metrics();
+  EXPECT_EQ(m.encoder_cache_hits, 1);
+  EXPECT_EQ(m.encoder_cache_misses, 2);
+
+  // Without the cross-request cache every request encodes its picture.
+  Engine plain(model, EngineOptions().encoder_cache_bytes(0));
+  plain.submit(first, config)->wait();
+  plain.submit(again, config)->wait();
+  EXPECT_EQ(model.vision_tower_runs(), runs + 4);
+}
+
+TEST(EncoderCache, EvictsTheLeastRecentlyUsedToStayWithinItsBudget) {
+  EncoderCache cache(3 * 16 * 8);  // three [16, 1] float64 entries
+  ContentHash a{}, b{}, c{}, d{};
+  a[0] = 1, b[0] = 2, c[0] = 3, d[0] = 4;
+  const at::Tensor e = at::zeros({16, 1}, at::kDouble);
+  cache.insert(a, e);
+  cache.insert(b, e);
+  cache.insert(c, e);
+  EXPECT_TRUE(cache.find(a).defined());  // a is now the most recent
+  cache.insert(d, e);                    // evicts b
+  EXPECT_FALSE(cache.find(b).defined());
+  EXPECT_TRUE(cache.find(c).defined());
+  EXPECT_TRUE(cache.find(d).defined());
+  cache.insert(ContentHash{9}, at::zeros({64, 1}, at::kDouble));  // larger than the budget: not kept
+  EXPECT_FALSE(cache.find(ContentHash{9}).defined());
+  const auto stats = cache.stats();
+  EXPECT_EQ(stats.entries, 3);
+  EXPECT_EQ(stats.bytes, 3 * 16 * 8);
+  EXPECT_EQ(stats.evictions, 1);
+  EXPECT_EQ(stats.hits, 3);
+  EXPECT_EQ(stats.misses, 2);
 }
 
 TEST(Engine, DestroyingItCancelsWhatIsLeft) {

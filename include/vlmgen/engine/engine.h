@@ -4,8 +4,8 @@
 // while others decode. Each step, every running request makes its next forward call and takes
 // its next token (RequestStepper, the same pieces the synchronous Generator runs), so a request
 // gets the span rule, the encoder cache, sampling and stop rules exactly as with Generator and
-// the same tokens. Admission is bounded by a KV-cache byte budget: a request waits until its
-// KV cache fits, and one that can never fit is refused at submit.
+// the same tokens. Image embeddings are shared across requests by content hash (EncoderCache). Admission is bounded by
+// a KV-cache byte budget: a request waits until its KV cache fits, and one that can never fit is refused at submit.
 //
 //   vlmgen::Engine engine(model, vlmgen::EngineOptions().max_running(8).kv_cache_bytes(1 << 30));
 //   auto handle = engine.submit({{prompt}, vision}, vlmgen::GenerationConfig().max_new_tokens(64));
@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "vlmgen/engine/encoder_cache.h"
 #include "vlmgen/error.h"
 #include "vlmgen/model.h"
 #include "vlmgen/parallel.h"
@@ -51,23 +52,32 @@ class EngineOptions {
     return *this;
   }
   int64_t kv_cache_bytes() const { return kv_cache_bytes_; }
+  /// Bytes of image embeddings kept across requests (EncoderCache; 0 = none). Default 256 MiB.
+  EngineOptions& encoder_cache_bytes(int64_t value) {
+    encoder_cache_bytes_ = value;
+    return *this;
+  }
+  int64_t encoder_cache_bytes() const { return encoder_cache_bytes_; }
 
  private:
   int64_t max_running_ = 16;
   int64_t kv_cache_bytes_ = int64_t{1} << 30;
+  int64_t encoder_cache_bytes_ = int64_t{256} << 20;
 };
 
 /// What the engine is doing, read at any time from any thread.
 struct EngineMetrics {
-  int64_t running = 0;            ///< requests stepping
-  int64_t waiting = 0;            ///< submitted, not yet admitted
-  int64_t finished = 0;           ///< completed with a result (cancelled ones included)
-  int64_t failed = 0;             ///< completed with an error
-  int64_t kv_bytes_used = 0;      ///< KV cache held by running requests
-  int64_t kv_bytes_budget = 0;    ///< EngineOptions::kv_cache_bytes
-  int64_t max_running_seen = 0;   ///< most requests ever running at once
-  int64_t generated_tokens = 0;   ///< over all finished requests
-  int64_t steps = 0;              ///< step-loop iterations that ran a request
+  int64_t running = 0;               ///< requests stepping
+  int64_t waiting = 0;               ///< submitted, not yet admitted
+  int64_t finished = 0;              ///< completed with a result (cancelled ones included)
+  int64_t failed = 0;                ///< completed with an error
+  int64_t kv_bytes_used = 0;         ///< KV cache held by running requests
+  int64_t kv_bytes_budget = 0;       ///< EngineOptions::kv_cache_bytes
+  int64_t max_running_seen = 0;      ///< most requests ever running at once
+  int64_t generated_tokens = 0;      ///< over all finished requests
+  int64_t steps = 0;                 ///< step-loop iterations that ran a request
+  int64_t encoder_cache_hits = 0;    ///< images whose embeddings came from the cross-request cache
+  int64_t encoder_cache_misses = 0;  ///< images looked for there and encoded
 };
 
 /// A submitted request: its result (or error) when it ends, and a way to cancel it.
@@ -94,8 +104,13 @@ class Engine {
   /// Starts the step loop on its own thread. `model` must outlive the engine and is used only
   /// by that thread.
   explicit Engine(CausalVlm& model, EngineOptions options = EngineOptions())
-      : model_(model), options_(options), parallel_(ParallelContext::single()) {
+      : model_(model),
+        options_(options),
+        parallel_(ParallelContext::single()),
+        encoder_cache_(std::max<int64_t>(options.encoder_cache_bytes(), 0)) {
     VLMGEN_CHECK(options.max_running() >= 1, "max_running must be >= 1, got {}", options.max_running());
+    VLMGEN_CHECK(options.encoder_cache_bytes() >= 0, "encoder_cache_bytes must be >= 0, got {}",
+                 options.encoder_cache_bytes());
     VLMGEN_CHECK(options.kv_cache_bytes() > 0, "kv_cache_bytes must be > 0, got {}", options.kv_cache_bytes());
     metrics_.kv_bytes_budget = options.kv_cache_bytes();
     loop_ = std::thread([this] { run(); });
@@ -138,8 +153,12 @@ class Engine {
   }
 
   EngineMetrics metrics() const {
+    const EncoderCache::Stats cache = encoder_cache_.stats();
     std::lock_guard<std::mutex> lock(mutex_);
-    return metrics_;
+    EngineMetrics m = metrics_;
+    m.encoder_cache_hits = cache.hits;
+    m.encoder_cache_misses = cache.misses;
+    return m;
   }
 
  private:
@@ -222,10 +241,12 @@ class Engine {
     const ModelTraits& traits = model_.traits();
     try {
       auto stepper = std::make_unique<detail::RequestStepper>(
-          model_, parallel_, std::move(w.request), std::move(w.config), [&](const detail::RequestLayout&) {
+          model_, parallel_, std::move(w.request), std::move(w.config),
+          [&](const detail::RequestLayout&) {
             return decide_kv_cache(want_kv, traits.supports_kv_cache, traits.kv_cache_under_sequence_parallel,
                                    parallel_);
-          });
+          },
+          options_.encoder_cache_bytes() > 0 ? &encoder_cache_ : nullptr);
       running.push_back(Running{std::move(stepper), w.handle, w.kv_bytes});
     } catch (...) {
       end(w.kv_bytes, /*failed=*/true, 0);
@@ -270,11 +291,12 @@ class Engine {
   CausalVlm& model_;
   const EngineOptions options_;
   const ParallelContext parallel_;
+  EncoderCache encoder_cache_;
   mutable std::mutex mutex_;
   std::condition_variable wake_;
-  std::deque<Waiting> waiting_;        // guarded by mutex_
-  bool stopping_ = false;               // guarded by mutex_
-  EngineMetrics metrics_;               // guarded by mutex_
+  std::deque<Waiting> waiting_;  // guarded by mutex_
+  bool stopping_ = false;        // guarded by mutex_
+  EngineMetrics metrics_;        // guarded by mutex_
   std::thread loop_;
 };
 

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "vlmgen/content_hash.h"
+#include "vlmgen/engine/encoder_cache.h"
 #include "vlmgen/inference_context.h"
 #include "vlmgen/model.h"
 #include "vlmgen/parallel.h"
@@ -58,11 +59,13 @@ inline void finish_stats(GenerationResult& result, Clock::time_point start,
 class RequestStepper {
  public:
   /// Validates and sets up the request (vlmgen::Error before any forward call on bad input).
-  /// `decide_kv` makes the caller's KV-cache decision once the request is laid out. `model` and
-  /// `parallel` must outlive the stepper; the request and config are copied.
+  /// `decide_kv` makes the caller's KV-cache decision once the request is laid out. Images are
+  /// looked for in `shared_encoder_cache` (when given, with the encoder cache on) before they are
+  /// encoded. `model`, `parallel` and the cache must outlive the stepper; the request and config
+  /// are copied.
   template <typename DecideKv>
   RequestStepper(CausalVlm& model, const ParallelContext& parallel, GenerateRequest request, GenerationConfig config,
-                 DecideKv&& decide_kv)
+                 DecideKv&& decide_kv, EncoderCache* shared_encoder_cache = nullptr)
       : model_(model), parallel_(parallel), request_(std::move(request)), config_(std::move(config)) {
     const ModelTraits& traits = model.traits();
     const at::Device device = model.device();
@@ -81,8 +84,8 @@ class RequestStepper {
                          device);
       check_continuation(*context_, rows_->tokens(), rows_->mask(), layout_.prompt_len, layout_.spans, fingerprints_);
     } else if (kv.use_kv_cache) {
-      own_context_ = InferenceContext::allocate(traits.kv_cache, layout_.batch,
-                                                std::max<int64_t>(layout_.fed_columns, 1), device);
+      own_context_ =
+          InferenceContext::allocate(traits.kv_cache, layout_.batch, std::max<int64_t>(layout_.fed_columns, 1), device);
       context_ = own_context_.get();
     }
 
@@ -91,16 +94,16 @@ class RequestStepper {
                                                rows_->mask().narrow(1, 0, layout_.prompt_len), vision);
     positions_ = extend_positions(plan, layout_.pads, layout_.total);  // [B, total] or [3, B, total]
     if (!device.is_cpu()) positions_ = positions_.to(device);
-    window_vision_ = std::make_unique<WindowVision>(model, vision.empty() ? vision : vision.to(device), layout_.counts,
-                                                    config_.encoder_cache() && !vision.empty() &&
-                                                        model.can_encode_images());
+    window_vision_ = std::make_unique<WindowVision>(
+        model, vision.empty() ? vision : vision.to(device), layout_.counts,
+        config_.encoder_cache() && !vision.empty() && model.can_encode_images(), shared_encoder_cache);
     result_.sequences.resize(static_cast<size_t>(layout_.batch));
     result_.stats.used_kv_cache = kv.use_kv_cache;
     result_.stats.prompt_columns = layout_.prompt_len;
     vocab_parallel_ = traits.vocab_parallel_logits && parallel.tp_size() > 1;
-    scores_ = std::make_unique<ScoreRecorder>(config_.prompt_logprobs(), config_.top_logprobs(),
-                                              config_.return_logits(), traits.vocab_size,
-                                              vocab_parallel_ ? parallel.tp_group().get() : nullptr);
+    scores_ =
+        std::make_unique<ScoreRecorder>(config_.prompt_logprobs(), config_.top_logprobs(), config_.return_logits(),
+                                        traits.vocab_size, vocab_parallel_ ? parallel.tp_group().get() : nullptr);
     windows_ = std::make_unique<WindowRunner>(model, parallel_, config_, layout_, *rows_, positions_, *window_vision_,
                                               context_, fingerprints_, *scores_, result_);
     SamplingOptions sampling = config_.sampling();
@@ -137,11 +140,10 @@ class RequestStepper {
     const ModelTraits& traits = model_.traits();
     std::vector<float>* want_logprobs = config_.return_logprobs() ? &logprobs_ : nullptr;
     const std::vector<int64_t> chosen =
-        vocab_parallel_
-            ? sampler_->choose_vocab_parallel(
-                  last, {parallel_.tp_rank() * last.size(1), traits.vocab_size, parallel_.tp_group().get()},
-                  rows_->active(), want_logprobs)
-            : sampler_->choose(last, rows_->active(), want_logprobs);
+        vocab_parallel_ ? sampler_->choose_vocab_parallel(
+                              last, {parallel_.tp_rank() * last.size(1), traits.vocab_size, parallel_.tp_group().get()},
+                              rows_->active(), want_logprobs)
+                        : sampler_->choose(last, rows_->active(), want_logprobs);
     if (!t_first_) t_first_ = Clock::now();
     scores_->record_step(last, rows_->active(), result_.sequences);
     result_.stats.generated_tokens +=

@@ -9,7 +9,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "vlmgen/content_hash.h"
 #include "vlmgen/detail/tensor_utils.h"
+#include "vlmgen/engine/encoder_cache.h"
 #include "vlmgen/error.h"
 #include "vlmgen/model.h"
 #include "vlmgen/vision_inputs.h"
@@ -19,12 +21,16 @@ namespace vlmgen::detail {
 class WindowVision {
  public:
   /// `vision`: the request's images on the model's device; `counts`: placeholder rows per image.
-  /// With `use_encoder_cache`, images are encoded through model.encode_images and kept.
-  WindowVision(CausalVlm& model, VisionInputs vision, std::vector<int64_t> counts, bool use_encoder_cache)
+  /// With `use_encoder_cache`, images are encoded through model.encode_images and kept; with a
+  /// `shared` cache too, they are first looked for there by content hash (and put there once
+  /// encoded), so requests share them.
+  WindowVision(CausalVlm& model, VisionInputs vision, std::vector<int64_t> counts, bool use_encoder_cache,
+               EncoderCache* shared = nullptr)
       : model_(model),
         vision_(std::move(vision)),
         counts_(std::move(counts)),
         use_encoder_cache_(use_encoder_cache),
+        shared_(use_encoder_cache ? shared : nullptr),
         embeddings_(static_cast<size_t>(vision_.num_images())) {}
 
   /// Fills args.images, args.vision and args.image_embeddings for `images` (indices into the
@@ -54,7 +60,16 @@ class WindowVision {
   at::Tensor embeddings_for(const std::vector<int64_t>& images) {
     std::vector<int64_t> missing;
     for (int64_t i : images) {
-      if (!embeddings_[static_cast<size_t>(i)].defined()) missing.push_back(i);
+      if (embeddings_[static_cast<size_t>(i)].defined()) continue;
+      if (shared_ != nullptr) {
+        if (keys_.empty()) keys_ = vision_.fingerprints();
+        const at::Tensor hit = shared_->find(keys_[static_cast<size_t>(i)]);
+        if (hit.defined() && hit.dim() == 2 && hit.size(0) == counts_[static_cast<size_t>(i)]) {
+          embeddings_[static_cast<size_t>(i)] = hit;
+          continue;
+        }
+      }
+      missing.push_back(i);
     }
     if (!missing.empty()) {
       at::Tensor encoded = model_.encode_images(vision_.select(missing));
@@ -67,6 +82,9 @@ class WindowVision {
       for (int64_t i : missing) {
         embeddings_[static_cast<size_t>(i)] = encoded.narrow(0, offset, counts_[static_cast<size_t>(i)]);
         offset += counts_[static_cast<size_t>(i)];
+        // The cache gets its own compact copy: a view would keep the whole batch alive.
+        if (shared_ != nullptr)
+          shared_->insert(keys_[static_cast<size_t>(i)], embeddings_[static_cast<size_t>(i)].clone());
       }
       images_encoded_ += static_cast<int64_t>(missing.size());
     }
@@ -79,6 +97,8 @@ class WindowVision {
   VisionInputs vision_;
   std::vector<int64_t> counts_;
   bool use_encoder_cache_;
+  EncoderCache* shared_;
+  std::vector<ContentHash> keys_;       // per image, computed when the shared cache is first asked
   std::vector<at::Tensor> embeddings_;  // per image, once encoded
   std::vector<int64_t> last_images_;
   VisionInputs last_vision_;
