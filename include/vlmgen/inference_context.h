@@ -169,6 +169,26 @@ class InferenceContext {
   /// Images recorded in the committed columns, in the order they were committed.
   const std::vector<CachedImage>& cached_images() const { return images_; }
 
+  /// A new context of `capacity` columns holding this context's first `length` committed
+  /// columns and the images inside them: a cached prefix that a longer request continues from.
+  std::unique_ptr<InferenceContext> copy_prefix(int64_t length, int64_t capacity) const {
+    VLMGEN_CHECK(length >= 0 && length <= length_ && capacity >= std::max<int64_t>(length, 1),
+                 "copy_prefix of {} columns into a capacity of {} from a context of {} columns", length, capacity,
+                 length_);
+    auto out = allocate(spec_, batch_, capacity, device());
+    for (size_t l = 0; l < keys_.size(); ++l) {
+      out->keys_[l].narrow(2, 0, length).copy_(keys_[l].narrow(2, 0, length));
+      out->values_[l].narrow(2, 0, length).copy_(values_[l].narrow(2, 0, length));
+    }
+    out->tokens_.narrow(1, 0, length).copy_(tokens_.narrow(1, 0, length));
+    out->mask_.narrow(1, 0, length).copy_(mask_.narrow(1, 0, length));
+    out->length_ = length;
+    for (const CachedImage& image : images_) {
+      if (image.end <= length) out->images_.push_back(image);
+    }
+    return out;
+  }
+
   /// Forgets every column from `length` on (keeps a shared prefix, drops the rest), and the
   /// images that reach past it.
   void truncate(int64_t length) {

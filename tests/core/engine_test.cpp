@@ -16,6 +16,7 @@
 #include "test_util.h"
 #include "vlmgen/generator.h"
 #include "vlmgen/testing/fake_vlm.h"
+#include "vlmgen/testing/forward_spy.h"
 
 namespace vlmgen {
 namespace {
@@ -241,6 +242,44 @@ TEST(Engine, APictureSeenBeforeIsNotEncodedAgainAndADifferentOneIs) {
   plain.submit(first, config)->wait();
   plain.submit(again, config)->wait();
   EXPECT_EQ(model.vision_tower_runs(), runs + 4);
+}
+
+TEST(Engine, ASharedSystemPromptWithAnImageIsComputedOnceAndADifferentPictureMisses) {
+  testing::FakeVlm fake;
+  testing::ForwardSpy spy(fake);
+  const int64_t image = *fake.traits().image_token_id;
+  std::vector<int64_t> system;
+  for (int k = 0; k < 100; ++k) system.push_back((k * 7) % 60);
+  system = test::prompt_with_image(system, image, 4, {});           // placeholders at columns [100, 104)
+  for (int k = 0; k < 96; ++k) system.push_back((k * 5 + 3) % 60);  // 200 columns in all
+  const auto turn = [&](std::vector<int64_t> user) {
+    std::vector<int64_t> p = system;
+    p.insert(p.end(), user.begin(), user.end());
+    return p;
+  };
+  const VisionInputs beach = test::make_images({{1, 4, 4}}, 21), dogs = test::make_images({{1, 4, 4}}, 22);
+  const GenerateRequest a({turn({1, 2, 3, 4, 5, 6, 7, 8, 9, 10})}, beach);
+  const GenerateRequest b({turn({11, 12, 13})}, beach);
+  const GenerateRequest c({turn({11, 12, 13})}, dogs);  // b's ids, another picture
+  const auto config = GenerationConfig().max_new_tokens(5);
+  std::vector<std::vector<int64_t>> cold;
+  for (const auto* r : {&a, &b, &c}) cold.push_back(Generator(fake).generate(*r, config).sequences[0].tokens);
+
+  Engine engine(spy, EngineOptions().prefix_block_columns(16));
+  EXPECT_EQ(engine.submit(a, config)->wait().sequences[0].tokens, cold[0]);
+  spy.clear();
+  EXPECT_EQ(engine.submit(b, config)->wait().sequences[0].tokens, cold[1]);
+  ASSERT_FALSE(spy.calls().empty());
+  EXPECT_EQ(spy.calls()[0].window_start, 192);  // 12 whole blocks of the shared 200 columns
+  EXPECT_TRUE(spy.calls()[0].images.empty());   // the cached columns hold the picture already
+  EXPECT_EQ(engine.metrics().prefix_cache_hit_columns, 192);
+
+  spy.clear();
+  EXPECT_EQ(engine.submit(c, config)->wait().sequences[0].tokens, cold[2]);
+  ASSERT_FALSE(spy.calls().empty());
+  EXPECT_EQ(spy.calls()[0].window_start, 96);  // up to the block holding the other picture
+  EXPECT_THAT(spy.calls()[0].images, ::testing::ElementsAre(0));
+  EXPECT_EQ(engine.metrics().prefix_cache_hits, 2);
 }
 
 TEST(EncoderCache, EvictsTheLeastRecentlyUsedToStayWithinItsBudget) {

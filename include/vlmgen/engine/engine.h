@@ -4,7 +4,8 @@
 // while others decode. Each step, every running request makes its next forward call and takes
 // its next token (RequestStepper, the same pieces the synchronous Generator runs), so a request
 // gets the span rule, the encoder cache, sampling and stop rules exactly as with Generator and
-// the same tokens. Image embeddings are shared across requests by content hash (EncoderCache). Admission is bounded by
+// the same tokens. Image embeddings (EncoderCache) and KV-cache prefixes (PrefixCache) are shared
+// across requests, keyed by token ids and image content hashes. Admission is bounded by
 // a KV-cache byte budget: a request waits until its KV cache fits, and one that can never fit is refused at submit.
 //
 //   vlmgen::Engine engine(model, vlmgen::EngineOptions().max_running(8).kv_cache_bytes(1 << 30));
@@ -13,6 +14,8 @@
 //
 // This first engine steps its running requests one after another (one forward call per request
 // per step); batching them into one forward call needs per-row windows in ForwardArgs.
+
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <atomic>
@@ -29,6 +32,7 @@
 #include <vector>
 
 #include "vlmgen/engine/encoder_cache.h"
+#include "vlmgen/engine/prefix_cache.h"
 #include "vlmgen/error.h"
 #include "vlmgen/model.h"
 #include "vlmgen/parallel.h"
@@ -58,11 +62,25 @@ class EngineOptions {
     return *this;
   }
   int64_t encoder_cache_bytes() const { return encoder_cache_bytes_; }
+  /// Bytes of KV-cache prefixes kept across requests (PrefixCache; 0 = none). Default 256 MiB.
+  EngineOptions& prefix_cache_bytes(int64_t value) {
+    prefix_cache_bytes_ = value;
+    return *this;
+  }
+  int64_t prefix_cache_bytes() const { return prefix_cache_bytes_; }
+  /// Columns per prefix-cache block (>= 1): prefixes are found in whole blocks. Default 16.
+  EngineOptions& prefix_block_columns(int64_t value) {
+    prefix_block_columns_ = value;
+    return *this;
+  }
+  int64_t prefix_block_columns() const { return prefix_block_columns_; }
 
  private:
   int64_t max_running_ = 16;
   int64_t kv_cache_bytes_ = int64_t{1} << 30;
   int64_t encoder_cache_bytes_ = int64_t{256} << 20;
+  int64_t prefix_cache_bytes_ = int64_t{256} << 20;
+  int64_t prefix_block_columns_ = 16;
 };
 
 /// What the engine is doing, read at any time from any thread.
@@ -78,6 +96,9 @@ struct EngineMetrics {
   int64_t steps = 0;                 ///< step-loop iterations that ran a request
   int64_t encoder_cache_hits = 0;    ///< images whose embeddings came from the cross-request cache
   int64_t encoder_cache_misses = 0;  ///< images looked for there and encoded
+  int64_t prefix_cache_lookups = 0;
+  int64_t prefix_cache_hits = 0;
+  int64_t prefix_cache_hit_columns = 0;  ///< prompt columns not computed thanks to the cache
 };
 
 /// A submitted request: its result (or error) when it ends, and a way to cancel it.
@@ -107,7 +128,11 @@ class Engine {
       : model_(model),
         options_(options),
         parallel_(ParallelContext::single()),
-        encoder_cache_(std::max<int64_t>(options.encoder_cache_bytes(), 0)) {
+        encoder_cache_(std::max<int64_t>(options.encoder_cache_bytes(), 0)),
+        prefix_cache_(std::max<int64_t>(options.prefix_block_columns(), 1),
+                      std::max<int64_t>(options.prefix_cache_bytes(), 0)) {
+    VLMGEN_CHECK(options.prefix_block_columns() >= 1, "prefix_block_columns must be >= 1, got {}",
+                 options.prefix_block_columns());
     VLMGEN_CHECK(options.max_running() >= 1, "max_running must be >= 1, got {}", options.max_running());
     VLMGEN_CHECK(options.encoder_cache_bytes() >= 0, "encoder_cache_bytes must be >= 0, got {}",
                  options.encoder_cache_bytes());
@@ -158,6 +183,10 @@ class Engine {
     EngineMetrics m = metrics_;
     m.encoder_cache_hits = cache.hits;
     m.encoder_cache_misses = cache.misses;
+    const PrefixCache::Stats prefixes = prefix_cache_.stats();
+    m.prefix_cache_lookups = prefixes.lookups;
+    m.prefix_cache_hits = prefixes.hits;
+    m.prefix_cache_hit_columns = prefixes.hit_columns;
     return m;
   }
 
@@ -169,9 +198,11 @@ class Engine {
     int64_t kv_bytes;
   };
   struct Running {
+    std::unique_ptr<InferenceContext> context;  // seeded from the prefix cache (else the stepper's own)
     std::unique_ptr<detail::RequestStepper> stepper;
     std::shared_ptr<RequestHandle> handle;
     int64_t kv_bytes;
+    std::vector<ContentHash> prefix_keys;  // blocks to cache once the prompt is computed
   };
 
   static int64_t columns_needed(const GenerateRequest& request, const GenerationConfig& config) {
@@ -201,7 +232,8 @@ class Engine {
   }
 
   void run() {
-    std::list<Running> running;  // only this thread touches it
+    c10::InferenceMode inference_mode;  // as in Generator::generate
+    std::list<Running> running;         // only this thread touches it
     while (true) {
       std::vector<Waiting> admitted;
       {
@@ -240,18 +272,36 @@ class Engine {
     const bool want_kv = w.config.enable_kv_cache();
     const ModelTraits& traits = model_.traits();
     try {
-      auto stepper = std::make_unique<detail::RequestStepper>(
+      Running r{nullptr, nullptr, w.handle, w.kv_bytes, {}};
+      if (options_.prefix_cache_bytes() > 0 && want_kv && traits.supports_kv_cache && w.request.prompts.size() == 1) {
+        seed_from_prefix_cache(w, r);
+      }
+      r.stepper = std::make_unique<detail::RequestStepper>(
           model_, parallel_, std::move(w.request), std::move(w.config),
           [&](const detail::RequestLayout&) {
             return decide_kv_cache(want_kv, traits.supports_kv_cache, traits.kv_cache_under_sequence_parallel,
                                    parallel_);
           },
-          options_.encoder_cache_bytes() > 0 ? &encoder_cache_ : nullptr);
-      running.push_back(Running{std::move(stepper), w.handle, w.kv_bytes});
+          options_.encoder_cache_bytes() > 0 ? &encoder_cache_ : nullptr, /*record_images=*/!r.prefix_keys.empty());
+      running.push_back(std::move(r));
     } catch (...) {
       end(w.kv_bytes, /*failed=*/true, 0);
       w.handle->promise_.set_exception(std::current_exception());
     }
+  }
+
+  // Looks the prompt up in the prefix cache: on a hit the request continues from a copy of the
+  // cached columns (check_continuation then verifies tokens and pictures, as for any caller's
+  // context). Remembers the prompt's block keys, to cache its prefill.
+  void seed_from_prefix_cache(Waiting& w, Running& r) {
+    detail::validate_request(w.request, w.config, model_.traits());
+    const detail::RequestLayout layout = detail::lay_out_request(w.request, w.config, model_);
+    const std::vector<ContentHash> fingerprints = w.request.vision.fingerprints();
+    r.prefix_keys = prefix_cache_.block_keys(w.request.prompts[0], layout.spans, fingerprints);
+    const PrefixCache::Hit hit = prefix_cache_.lookup(r.prefix_keys, layout.spans, layout.prompt_len);
+    if (hit.columns == 0) return;
+    r.context = hit.context->copy_prefix(hit.columns, std::max<int64_t>(layout.fed_columns, 1));
+    w.request.context = r.context.get();
   }
 
   // One step of a running request; ends it (result or error) when it is done. The metrics
@@ -259,7 +309,12 @@ class Engine {
   std::list<Running>::iterator step(std::list<Running>& running, std::list<Running>::iterator it) {
     std::shared_ptr<RequestHandle> handle = it->handle;
     try {
-      if (it->stepper->step()) return std::next(it);
+      const bool more = it->stepper->step();
+      if (!it->prefix_keys.empty() && it->stepper->context() != nullptr) {  // the prompt is computed
+        prefix_cache_.insert(it->prefix_keys, *it->stepper->context());
+        it->prefix_keys.clear();
+      }
+      if (more) return std::next(it);
       GenerationResult result = it->stepper->finish();
       const int64_t tokens = result.stats.generated_tokens;
       const auto next = retire(running, it, /*failed=*/false, tokens);
@@ -292,6 +347,7 @@ class Engine {
   const EngineOptions options_;
   const ParallelContext parallel_;
   EncoderCache encoder_cache_;
+  PrefixCache prefix_cache_;
   mutable std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<Waiting> waiting_;  // guarded by mutex_

@@ -61,11 +61,13 @@ class RequestStepper {
   /// Validates and sets up the request (vlmgen::Error before any forward call on bad input).
   /// `decide_kv` makes the caller's KV-cache decision once the request is laid out. Images are
   /// looked for in `shared_encoder_cache` (when given, with the encoder cache on) before they are
-  /// encoded. `model`, `parallel` and the cache must outlive the stepper; the request and config
-  /// are copied.
+  /// encoded. With `record_images`, the images' fingerprints are recorded in the stepper's own
+  /// KV cache too (as they always are in a caller's), so its columns can seed a continuation.
+  /// `model`, `parallel` and the cache must outlive the stepper; the request and config are
+  /// copied.
   template <typename DecideKv>
   RequestStepper(CausalVlm& model, const ParallelContext& parallel, GenerateRequest request, GenerationConfig config,
-                 DecideKv&& decide_kv, EncoderCache* shared_encoder_cache = nullptr)
+                 DecideKv&& decide_kv, EncoderCache* shared_encoder_cache = nullptr, bool record_images = false)
       : model_(model), parallel_(parallel), request_(std::move(request)), config_(std::move(config)) {
     const ModelTraits& traits = model.traits();
     const at::Device device = model.device();
@@ -77,7 +79,7 @@ class RequestStepper {
     // The KV cache: the caller's (checked to fit and to hold this request's beginning, images
     // included, by fingerprint) or the stepper's own.
     const VisionInputs& vision = request_.vision;
-    if (request_.context != nullptr && kv.use_kv_cache) fingerprints_ = vision.fingerprints();
+    if ((request_.context != nullptr || record_images) && kv.use_kv_cache) fingerprints_ = vision.fingerprints();
     if (kv.use_kv_cache && request_.context != nullptr) {
       context_ = request_.context;
       check_context_fits(*context_, layout_.batch, layout_.fed_columns, layout_.prompt_len, layout_.max_new, traits,
