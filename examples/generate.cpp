@@ -93,12 +93,6 @@ std::vector<int64_t> tokenize_prompt(const std::string& text, const std::string&
   return ids;
 }
 
-std::string self_executable(const char* argv0) {
-  std::vector<char> path(4096);
-  const ssize_t n = ::readlink("/proc/self/exe", path.data(), path.size() - 1);
-  return n > 0 ? std::string(path.data(), static_cast<size_t>(n)) : std::string(argv0);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -150,7 +144,7 @@ int main(int argc, char** argv) {
   // Started by hand with --nproc N: become the launcher of N ranks running these same arguments.
   const bool in_a_launch = std::getenv("RANK") != nullptr || std::getenv("WORLD_SIZE") != nullptr;
   if (nproc > 1 && !in_a_launch) {
-    std::vector<std::string> args = {self_executable(argv[0])};
+    std::vector<std::string> args = {vlmgen::self_executable(argv[0])};
     args.insert(args.end(), argv + 1, argv + argc);
     vlmgen::LaunchOptions launch;
     launch.timeout = std::chrono::hours(24);

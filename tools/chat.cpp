@@ -44,12 +44,6 @@ struct Options {
   int64_t timeout_s = 600;
 };
 
-std::string self_executable(const char* argv0) {
-  std::vector<char> path(4096);
-  const ssize_t n = ::readlink("/proc/self/exe", path.data(), path.size() - 1);
-  return n > 0 ? std::string(path.data(), static_cast<size_t>(n)) : std::string(argv0);
-}
-
 // Rank 0's line on every rank (false at the end of input).
 bool read_line(const vlmgen::ParallelContext& parallel, std::string* line) {
   bool ok = true;
@@ -227,7 +221,7 @@ int main(int argc, char** argv) {
 
   const bool in_a_launch = std::getenv("RANK") != nullptr || std::getenv("WORLD_SIZE") != nullptr;
   if (o.nproc > 1 && !in_a_launch) {
-    std::vector<std::string> args = {self_executable(argv[0])};
+    std::vector<std::string> args = {vlmgen::self_executable(argv[0])};
     args.insert(args.end(), argv + 1, argv + argc);
     vlmgen::LaunchOptions launch;
     launch.timeout = std::chrono::hours(24 * 365);

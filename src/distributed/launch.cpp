@@ -27,6 +27,12 @@
 extern char** environ;  // NOLINT: POSIX
 
 namespace vlmgen {
+
+std::string self_executable(const char* argv0) {
+  std::vector<char> path(4096);
+  const ssize_t n = ::readlink("/proc/self/exe", path.data(), path.size() - 1);
+  return n > 0 ? std::string(path.data(), static_cast<size_t>(n)) : std::string(argv0);
+}
 namespace {
 
 const char* getenv_nonempty(const char* name) {

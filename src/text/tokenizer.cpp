@@ -71,7 +71,7 @@ void Tokenizer::Impl::encode_piece(std::string_view piece, std::vector<int64_t>&
   merges.encode(piece, byte_ids, out);
 }
 
-void Tokenizer::Impl::encode_normalized(std::string_view text, bool parse_special, std::vector<int64_t>& out) const {
+void Tokenizer::Impl::encode_normalized(std::string_view text, std::vector<int64_t>& out) const {
   std::vector<std::string_view> pieces{text}, next;
   for (const auto& splitter : splitters) {
     next.clear();
@@ -132,11 +132,11 @@ std::vector<int64_t> Tokenizer::encode(std::string_view text, const EncodeOption
     size_t offset = 0, length = 0;
     int64_t id = 0;
     while (impl.normalized_matcher[special].find(rest, 0, &offset, &length, &id)) {
-      impl.encode_normalized(rest.substr(0, offset), options.parse_special_tokens, out);
+      impl.encode_normalized(rest.substr(0, offset), out);
       out.push_back(id);
       rest.remove_prefix(offset + length);
     }
-    impl.encode_normalized(rest, options.parse_special_tokens, out);
+    impl.encode_normalized(rest, out);
   };
   size_t from = 0, offset = 0, length = 0;
   int64_t id = 0;

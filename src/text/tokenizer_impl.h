@@ -54,7 +54,7 @@ struct Tokenizer::Impl {
   detail::AddedTokenMatcher raw_matcher[2], normalized_matcher[2];
   std::optional<std::string> eos_token, pad_token, bos_token;
 
-  void encode_normalized(std::string_view text, bool parse_special, std::vector<int64_t>& out) const;
+  void encode_normalized(std::string_view text, std::vector<int64_t>& out) const;
   void encode_piece(std::string_view piece, std::vector<int64_t>& out) const;
 };
 

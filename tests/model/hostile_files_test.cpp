@@ -24,14 +24,13 @@ namespace {
 
 using hostile_test::error_of;
 using hostile_test::error_within;
+using hostile_test::seconds_since;
 using hostile_test::TempDir;
 using hostile_test::write_bytes;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 std::string nested(size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); }
 

@@ -26,14 +26,13 @@ namespace {
 using hostile_test::error_of;
 using hostile_test::error_within;
 using hostile_test::read_bytes;
+using hostile_test::seconds_since;
 using hostile_test::TempDir;
 using hostile_test::write_bytes;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 std::string decode_error(const std::string& bytes, const ImageLimits& limits = ImageLimits()) {
   return error_of([&] { decode_image(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), limits); });

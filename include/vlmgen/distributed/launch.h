@@ -77,6 +77,10 @@ struct DistributedEnv {
   int master_port = 0;      // MASTER_PORT, in [1, 65535]
 };
 
+/// The path of the running program (/proc/self/exe), or `argv0` when it cannot be read: what a
+/// program started by hand with --nproc N re-runs as each local rank.
+std::string self_executable(const char* argv0);
+
 /// Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Returns nullopt when neither
 /// RANK nor WORLD_SIZE is set (a plain single process); throws vlmgen::Error naming the variable
 /// when one is missing or malformed (MASTER_ADDR and MASTER_PORT are needed only when
