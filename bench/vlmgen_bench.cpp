@@ -2,6 +2,7 @@
 //
 //   vlmgen-bench --report [--json out.json] [--quick] [--threads N]   one table of figures and ratios
 //   vlmgen-bench --tokenizer [--mb 10] [--rounds 3]     tokenizer vs the JS implementation
+//   vlmgen-bench --families [--rounds 3] [--threads N]   decode ms/token of the 100M LM per model family
 //   vlmgen-bench [--benchmark_filter=...]               Google Benchmark micro benchmarks
 //
 // The report measures, in one run: KV-cache and no-cache decode time per token at several
@@ -14,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <chrono>
@@ -83,9 +85,11 @@ class TimedModel : public CausalVlm {
 };
 
 /// About 110M parameters in the language model: hidden 768, 12 layers, 12 heads (4 KV heads),
-/// SwiGLU 2048, vocab 16384 untied; a 4-block vision tower.
-QwenVlConfig config_100m() {
-  QwenVlConfig c;
+/// SwiGLU 2048, vocab 16384 untied; a 4-block vision tower. Qwen2.5-VL: SwiGLU tower with
+/// 112-pixel windows; Qwen3-VL: q/k norms, no q/k/v bias, interleaved M-RoPE, a 32x32 position
+/// table and DeepStack after vision blocks 1-3.
+QwenVlConfig config_100m(QwenFamily family = QwenFamily::kQwen2Vl) {
+  QwenVlConfig c = QwenVlConfig::tiny(family);  // the family's switches; every size set below
   c.hidden_size = 768;
   c.num_hidden_layers = 12;
   c.num_attention_heads = 12;
@@ -108,6 +112,16 @@ QwenVlConfig config_100m() {
   c.vision.temporal_patch_size = 2;
   c.vision.spatial_merge_size = 2;
   c.vision.hidden_size = 768;
+  c.vision.intermediate_size = 4 * 384;
+  if (family == QwenFamily::kQwen2_5Vl) {
+    c.vision.window_size = 112;
+    c.vision.fullatt_block_indexes = {3};
+  }
+  if (family == QwenFamily::kQwen3Vl) {
+    c.mrope_section = {12, 10, 10};
+    c.vision.num_position_embeddings = 1024;
+    c.vision.deepstack_visual_indexes = {1, 2, 3};
+  }
   return c;
 }
 
@@ -186,6 +200,31 @@ DecodeFigures decode(Qwen2Vl& model, int64_t context, int64_t new_tokens, bool k
   return f;
 }
 
+/// Decode ms/token at context 512 of the 100M LM in each family, in interleaved rounds (medians):
+/// DeepStack adds work only to windows that hold image tokens, so a Qwen3-VL decode step should
+/// cost what a Qwen2-VL one does (q/k norms aside).
+void family_decode_table(int rounds, nlohmann::json& out) {
+  const QwenFamily families[] = {QwenFamily::kQwen2Vl, QwenFamily::kQwen2_5Vl, QwenFamily::kQwen3Vl};
+  std::vector<std::unique_ptr<QwenVl>> models;
+  for (QwenFamily f : families) models.push_back(std::make_unique<QwenVl>(config_100m(f), 1));
+  std::map<std::string, std::vector<double>> runs;
+  for (int round = 0; round < rounds; ++round) {
+    for (auto& m : models)
+      runs[family_model_type(m->config().family)].push_back(decode(*m, 512, 16, true).ms_per_token);
+  }
+  fmt::print("\n{:<34}{:>12}\n", "decode ms/token by family (100M LM)", "context 512");
+  std::map<std::string, double> medians;
+  for (auto& [name, v] : runs) {
+    std::sort(v.begin(), v.end());
+    medians[name] = v[v.size() / 2];
+    fmt::print("{:<34}{:>12.2f}   (rounds: {:.2f})\n", "  " + name, medians[name], fmt::join(v, " "));
+  }
+  const double q3_ratio = medians["qwen3_vl"] / medians["qwen2_vl"];
+  fmt::print("  qwen3_vl / qwen2_vl = {:.3f}x (target <= 1.05x; median of {} interleaved rounds)\n", q3_ratio, rounds);
+  out["decode_ms_per_token_by_family"] = medians;
+  out["qwen3_over_qwen2_decode"] = q3_ratio;
+}
+
 int run_report(bool quick, const std::string& json_path, int threads) {
   at::set_num_threads(threads);
   nlohmann::json out;
@@ -219,6 +258,9 @@ int run_report(bool quick, const std::string& json_path, int threads) {
   const double kv_ratio = ms["kv_2048"] / ms["kv_128"];
   fmt::print("  KV decode 2048 / 128 = {:.2f}x (target <= 1.5x)\n", kv_ratio);
   out["kv_decode_2048_over_128"] = kv_ratio;
+
+  // 1b. The same LM size in each family.
+  family_decode_table(quick ? 1 : 5, out);
 
   // 2. No-cache generation with an image: pixels replayed, encoder cache, text only.
   {
@@ -361,7 +403,7 @@ BENCHMARK(BM_Greedy)->Arg(152064);
 
 int main(int argc, char** argv) {
   vlmgen::detail::prefer_passive_openmp_wait(argv);
-  bool report = false, quick = false, tokenizer = false;
+  bool report = false, quick = false, tokenizer = false, families = false;
   int64_t megabytes = 10;
   int rounds = 3;
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -370,6 +412,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--report") == 0) {
       report = true;
+    } else if (std::strcmp(argv[i], "--families") == 0) {
+      families = true;
     } else if (std::strcmp(argv[i], "--tokenizer") == 0) {
       tokenizer = true;
     } else if (std::strcmp(argv[i], "--mb") == 0 && i + 1 < argc) {
@@ -389,6 +433,12 @@ int main(int argc, char** argv) {
   try {
     if (tokenizer) return vlmgen::bench::run_tokenizer_report(megabytes, rounds);
     if (report) return vlmgen::bench::run_report(quick, json, threads);
+    if (families) {
+      at::set_num_threads(threads);
+      nlohmann::json out;
+      vlmgen::bench::family_decode_table(rounds, out);
+      return 0;
+    }
   } catch (const vlmgen::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

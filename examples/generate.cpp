@@ -34,7 +34,7 @@
 #include "vlmgen/generator.h"
 #include "vlmgen/image/preprocessor_config.h"
 #include "vlmgen/image/qwen_image_processor.h"
-#include "vlmgen/models/qwen2_vl.h"
+#include "vlmgen/models/qwen_vl.h"
 #include "vlmgen/text/tokenizer.h"
 
 namespace {
@@ -165,7 +165,7 @@ int main(int argc, char** argv) {
                  nproc, parallel.world_size());
     parallel.sequence_parallel(sequence_parallel);
     const bool lead = rank == 0;
-    auto model = vlmgen::Qwen2Vl::from_checkpoint(checkpoint, parallel);
+    auto model = vlmgen::QwenVl::from_checkpoint(checkpoint, parallel);
     const auto& config = model->config();
     std::vector<vlmgen::Image> images;
     for (const auto& path : image_paths) images.push_back(vlmgen::load_image(path));

@@ -1,7 +1,8 @@
-// Writes a random tiny Qwen2-VL checkpoint directory (config.json + model.safetensors) that
+// Writes a random tiny Qwen-VL checkpoint directory (config.json + model.safetensors) that
 // vlmgen-generate and the tests can load like a real one.
 //
-//   vlmgen-make-tiny-checkpoint --out /tmp/tiny-qwen2vl [--seed 7] [--tied] [--real-vocab]
+//   vlmgen-make-tiny-checkpoint --out /tmp/tiny-qwen2vl [--family qwen2_vl|qwen2_5_vl|qwen3_vl]
+//                               [--seed 7] [--tied] [--real-vocab]
 //
 // --real-vocab gives it Qwen2-VL's vocabulary size and special-token ids, so a real Qwen
 // tokenizer.json (and chat template) placed beside it makes a complete chat folder.
@@ -13,20 +14,24 @@
 
 #include "vlmgen/error.h"
 #include "vlmgen/image/preprocessor_config.h"
-#include "vlmgen/models/qwen2_vl.h"
+#include "vlmgen/models/qwen_vl.h"
 
 int main(int argc, char** argv) {
-  CLI::App app("Write a random tiny Qwen2-VL checkpoint (config.json, model.safetensors, preprocessor_config.json)");
+  CLI::App app("Write a random tiny Qwen-VL checkpoint (config.json, model.safetensors, preprocessor_config.json)");
   std::string out;
+  std::string family_name = "qwen2_vl";
   uint64_t seed = 0;
   bool tied = false, real_vocab = false;
   app.add_option("--out", out, "checkpoint directory to write (created when missing)")->required();
+  app.add_option("--family", family_name, "model family: qwen2_vl, qwen2_5_vl or qwen3_vl")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}));
   app.add_option("--seed", seed, "seed of the random weights")->capture_default_str();
   app.add_flag("--tied", tied, "tie lm_head to the token embedding (no lm_head.weight stored)");
   app.add_flag("--real-vocab", real_vocab, "Qwen2-VL's vocabulary size (151936) and vision token ids");
   CLI11_PARSE(app, argc, argv);
   try {
-    vlmgen::QwenVlConfig config = vlmgen::QwenVlConfig::tiny();
+    vlmgen::QwenVlConfig config = vlmgen::QwenVlConfig::tiny(*vlmgen::family_from_name(family_name));
     config.tie_word_embeddings = tied;
     if (real_vocab) {
       config.vocab_size = 151936;
@@ -35,7 +40,7 @@ int main(int argc, char** argv) {
       config.image_token_id = 151655;
       config.video_token_id = 151656;
     }
-    vlmgen::Qwen2Vl model(config, seed);
+    vlmgen::QwenVl model(config, seed);
     model.save_checkpoint(out);
     // A complete HF-style folder: the image preprocessing travels with the weights. Up to 64
     // merged tokens per image keeps the tiny model fast.
@@ -49,8 +54,8 @@ int main(int argc, char** argv) {
                                               .max_pixels(64 * factor * factor));
     int64_t params = 0;
     for (const auto& [name, tensor] : model.named_weights()) params += tensor->numel();
-    fmt::print("wrote {} ({} parameters, hidden {}, {} layers, vocab {}, image token {})\n", out, params,
-               config.hidden_size, config.num_hidden_layers, config.vocab_size, config.image_token_id);
+    fmt::print("wrote {} ({}, {} parameters, hidden {}, {} layers, vocab {}, image token {})\n", out, family_name,
+               params, config.hidden_size, config.num_hidden_layers, config.vocab_size, config.image_token_id);
   } catch (const vlmgen::Error& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return 1;

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "vlmgen/error.h"
-#include "vlmgen/models/qwen2_vl.h"
+#include "vlmgen/models/qwen_vl.h"
 #include "vlmgen/models/qwen_vl_config.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -17,7 +17,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     (void)config.kv_cache_bytes_per_token(4);
     (void)vlmgen::QwenVlConfig::from_json(config.to_json());
     if (parameters <= (1 << 18)) {
-      vlmgen::Qwen2Vl model(config, /*seed=*/0);
+      vlmgen::QwenVl model(config, /*seed=*/0);
       (void)model;
     }
   } catch (const vlmgen::Error&) {

@@ -75,6 +75,11 @@ void checkpoint_seeds(const fs::path& out) {
 void config_seeds(const fs::path& out) {
   vlmgen::fuzz::write_file((out / "tiny.json").string(), vlmgen::QwenVlConfig::tiny().to_json());
   vlmgen::fuzz::write_file((out / "qwen2_vl_2b.json").string(), vlmgen::QwenVlConfig().to_json());
+  // The other families: window attention (Qwen2.5-VL), DeepStack and a position table (Qwen3-VL).
+  vlmgen::fuzz::write_file((out / "tiny_qwen2_5_vl.json").string(),
+                           vlmgen::QwenVlConfig::tiny(vlmgen::QwenFamily::kQwen2_5Vl).to_json());
+  vlmgen::fuzz::write_file((out / "tiny_qwen3_vl.json").string(),
+                           vlmgen::QwenVlConfig::tiny(vlmgen::QwenFamily::kQwen3Vl).to_json());
   // The nested layout of newer transformers, with rope_parameters and null fields.
   vlmgen::fuzz::write_file((out / "nested.json").string(), R"({
   "model_type": "qwen2_vl", "image_token_id": 90, "video_token_id": 91, "vision_start_token_id": 88,

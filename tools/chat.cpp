@@ -28,7 +28,7 @@
 #include "vlmgen/error.h"
 #include "vlmgen/generator.h"
 #include "vlmgen/image/preprocessor_config.h"
-#include "vlmgen/models/qwen2_vl.h"
+#include "vlmgen/models/qwen_vl.h"
 #include "vlmgen/text/detokenizer.h"
 
 namespace {
@@ -68,7 +68,7 @@ class ChatRunner {
  public:
   ChatRunner(const Options& options, vlmgen::ParallelContext parallel)
       : options_(options), parallel_(std::move(parallel)), lead_(parallel_.rank() == 0) {
-    model_ = vlmgen::Qwen2Vl::from_checkpoint(options.model, parallel_);
+    model_ = vlmgen::QwenVl::from_checkpoint(options.model, parallel_);
     tokenizer_ = std::make_unique<vlmgen::Tokenizer>(vlmgen::Tokenizer::from_pretrained(options.model));
     std::string source;
     auto image_options = vlmgen::checkpoint_image_processor(options.model, model_->config(), &source);
@@ -158,7 +158,7 @@ class ChatRunner {
   const Options& options_;
   vlmgen::ParallelContext parallel_;
   bool lead_;
-  std::shared_ptr<vlmgen::Qwen2Vl> model_;
+  std::shared_ptr<vlmgen::QwenVl> model_;
   std::unique_ptr<vlmgen::Tokenizer> tokenizer_;
   std::unique_ptr<vlmgen::ChatProcessor> processor_;
   std::unique_ptr<vlmgen::ChatSession> session_;

@@ -6,6 +6,7 @@
 #include <optional>
 #include <vector>
 
+#include "vlmgen/image_spans.h"
 #include "vlmgen/inference_context.h"
 #include "vlmgen/positions.h"
 #include "vlmgen/vision_inputs.h"
@@ -119,6 +120,17 @@ class CausalVlm {
     (void)input_ids;
     (void)vision;
     return plan_1d_positions(attention_mask);
+  }
+
+  /// plan_positions for a prompt whose image spans the caller has already found
+  /// (find_image_spans over the unpadded rows; columns in the padded [B, L] layout, as
+  /// RequestLayout::spans holds them). The generator and the engine call this one, so image
+  /// placement has one owner; a model that places images by span overrides it. Default: ignores
+  /// the spans and calls plan_positions.
+  virtual RopePlan plan_positions_with_spans(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                             const VisionInputs& vision, const std::vector<ImageSpan>& spans) const {
+    (void)spans;
+    return plan_positions(input_ids, attention_mask, vision);
   }
 };
 

@@ -7,6 +7,8 @@
 #include <utility>
 
 #include "../io/json_parse.h"
+#include "config_reader.h"
+#include "qwen_family.h"
 #include "vlmgen/error.h"
 #include "vlmgen/io/files.h"
 
@@ -26,136 +28,38 @@
 //   temporal_patch_size 2, spatial_merge_size 2, hidden_act "quick_gelu".
 // head_dim: "head_dim" when present (and not null), else hidden_size / num_attention_heads.
 //
+// The family comes from model_type, else architectures[0], else Qwen2-VL. Each family file
+// (families/*.cpp) reads its own vision fields and defaults: Qwen2.5-VL and Qwen3-VL require
+// vision hidden_size (the block width), out_hidden_size and intermediate_size; Qwen2.5-VL
+// defaults window_size 112 and fullatt_block_indexes [7, 15, 23, 31]; Qwen3-VL defaults
+// num_position_embeddings 2304, deepstack_visual_indexes [8, 16, 24], rope_theta 5e6,
+// attention_bias false and interleaved M-RoPE.
+//
 // A JSON null counts as absent, as HF writes None that way.
 
 namespace vlmgen {
+
+const char* family_model_type(QwenFamily family) { return detail::family_spec(family).model_type; }
+
+std::optional<QwenFamily> family_from_name(const std::string& name) {
+  for (QwenFamily f : {QwenFamily::kQwen2Vl, QwenFamily::kQwen2_5Vl, QwenFamily::kQwen3Vl}) {
+    const detail::QwenFamilySpec& spec = detail::family_spec(f);
+    if (name == spec.model_type || name == spec.architecture) return f;
+  }
+  return std::nullopt;
+}
+
+std::string supported_family_names() { return "qwen2_vl, qwen2_5_vl, qwen3_vl"; }
+
 namespace {
 
 using Json = nlohmann::json;
+using detail::as_int;
+using detail::as_string;
+using detail::FieldReader;
+using detail::Scope;
 
-// One object to look fields up in, and how to name it in messages ("text_config.").
-struct Scope {
-  const Json* object;
-  std::string prefix;
-};
-
-const Json* find_in(const Scope& scope, const char* key) {
-  auto it = scope.object->find(key);
-  if (it == scope.object->end() || it->is_null()) return nullptr;
-  return &*it;
-}
-
-// First scope holding `key`; `where` receives the field's full name for messages.
-const Json* find_first(const std::vector<Scope>& scopes, const char* key, std::string* where) {
-  for (const auto& scope : scopes) {
-    if (const Json* v = find_in(scope, key)) {
-      *where = scope.prefix + key;
-      return v;
-    }
-  }
-  return nullptr;
-}
-
-std::string scope_list(const std::vector<Scope>& scopes) {
-  std::string out;
-  for (const auto& scope : scopes) {
-    if (!out.empty()) out += " or ";
-    out += scope.prefix.empty() ? std::string("the top level") : scope.prefix.substr(0, scope.prefix.size() - 1);
-  }
-  return out;
-}
-
-int64_t as_int(const Json& v, const std::string& field, bool allow_integral_float = false) {
-  if (v.is_number_unsigned()) {
-    const auto u = v.get<uint64_t>();
-    VLMGEN_CHECK(u <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
-                 "config field '{}' is {}, beyond the int64 range", field, u);
-    return static_cast<int64_t>(u);
-  }
-  if (v.is_number_integer()) return v.get<int64_t>();
-  if (allow_integral_float && v.is_number_float()) {
-    const double d = v.get<double>();
-    VLMGEN_CHECK(std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.0e18,
-                 "config field '{}' must be a whole number, got {}", field, d);
-    return static_cast<int64_t>(d);
-  }
-  VLMGEN_FAIL("config field '{}' must be an integer, got JSON {} ({})", field, v.type_name(), detail::json_excerpt(v));
-}
-
-double as_double(const Json& v, const std::string& field) {
-  VLMGEN_CHECK(v.is_number(), "config field '{}' must be a number, got JSON {} ({})", field, v.type_name(),
-               detail::json_excerpt(v));
-  return v.get<double>();
-}
-
-bool as_bool(const Json& v, const std::string& field) {
-  VLMGEN_CHECK(v.is_boolean(), "config field '{}' must be a boolean, got JSON {} ({})", field, v.type_name(),
-               detail::json_excerpt(v));
-  return v.get<bool>();
-}
-
-std::string as_string(const Json& v, const std::string& field) {
-  VLMGEN_CHECK(v.is_string(), "config field '{}' must be a string, got JSON {} ({})", field, v.type_name(),
-               detail::json_excerpt(v));
-  return v.get<std::string>();
-}
-
-// Typed look-ups over an ordered list of scopes; messages name the field where it was found.
-class FieldReader {
- public:
-  explicit FieldReader(std::vector<Scope> scopes) : scopes_(std::move(scopes)) {}
-
-  /// The first scope's value for `key` (nullptr when absent); `field` gets its full name.
-  const Json* find(const char* key, std::string* field) const { return find_first(scopes_, key, field); }
-
-  int64_t required_int(const char* key) const {
-    std::string field;
-    const Json* v = find(key, &field);
-    VLMGEN_CHECK(v != nullptr, "config is missing required field '{}' (looked in {})", key, scope_list(scopes_));
-    return as_int(*v, field);
-  }
-  int64_t int_or(const char* key, int64_t fallback, bool allow_integral_float = false) const {
-    std::string field;
-    const Json* v = find(key, &field);
-    return v ? as_int(*v, field, allow_integral_float) : fallback;
-  }
-  double double_or(const char* key, double fallback) const {
-    std::string field;
-    const Json* v = find(key, &field);
-    return v ? as_double(*v, field) : fallback;
-  }
-  bool bool_or(const char* key, bool fallback) const {
-    std::string field;
-    const Json* v = find(key, &field);
-    return v ? as_bool(*v, field) : fallback;
-  }
-  std::string string_or(const char* key, const std::string& fallback) const {
-    std::string field;
-    const Json* v = find(key, &field);
-    return v ? as_string(*v, field) : fallback;
-  }
-  /// The same quantity under two spellings (in_chans / in_channels); they must agree if both set.
-  int64_t aliased_int_or(const char* key, const char* alias, int64_t fallback) const {
-    std::string key_field;
-    std::string alias_field;
-    const Json* a = find(key, &key_field);
-    const Json* b = find(alias, &alias_field);
-    if (a && b) {
-      const int64_t va = as_int(*a, key_field);
-      const int64_t vb = as_int(*b, alias_field);
-      VLMGEN_CHECK(va == vb, "config fields '{}' ({}) and '{}' ({}) disagree", key_field, va, alias_field, vb);
-      return va;
-    }
-    if (a) return as_int(*a, key_field);
-    if (b) return as_int(*b, alias_field);
-    return fallback;
-  }
-
- private:
-  std::vector<Scope> scopes_;
-};
-
-QwenVisionConfig parse_vision(const Json& root) {
+QwenVisionConfig parse_vision(const Json& root, const detail::QwenFamilySpec& spec) {
   auto it = root.find("vision_config");
   VLMGEN_CHECK(it != root.end() && !it->is_null(), "config is missing required field '{}'", "vision_config");
   VLMGEN_CHECK(it->is_object(), "config field 'vision_config' must be an object, got JSON {}", it->type_name());
@@ -163,19 +67,42 @@ QwenVisionConfig parse_vision(const Json& root) {
   const QwenVisionConfig defaults;
   QwenVisionConfig v;
   v.depth = r.required_int("depth");
-  v.embed_dim = r.required_int("embed_dim");
   v.num_heads = r.required_int("num_heads");
-  v.hidden_size = r.required_int("hidden_size");
-  v.mlp_ratio = r.int_or("mlp_ratio", defaults.mlp_ratio, /*allow_integral_float=*/true);
   v.in_channels = r.aliased_int_or("in_chans", "in_channels", defaults.in_channels);
-  v.patch_size = r.aliased_int_or("patch_size", "spatial_patch_size", defaults.patch_size);
   v.temporal_patch_size = r.int_or("temporal_patch_size", defaults.temporal_patch_size);
   v.spatial_merge_size = r.int_or("spatial_merge_size", defaults.spatial_merge_size);
-  v.hidden_act = r.string_or("hidden_act", defaults.hidden_act);
+  spec.read_vision(r, v);  // the fields whose names or meaning differ by family
   return v;
 }
 
-std::vector<int64_t> parse_mrope_section(const FieldReader& text) {
+/// The family a config.json describes: model_type first, then architectures[0]; a config with
+/// neither is read as Qwen2-VL (the only family older vlmgen checkpoints were written for).
+QwenFamily detect_family(const Json& root) {
+  auto model_type = root.find("model_type");
+  if (model_type != root.end() && !model_type->is_null()) {
+    const std::string name = as_string(*model_type, "model_type");
+    std::optional<QwenFamily> family = family_from_name(name);
+    VLMGEN_CHECK(family.has_value(), "config model_type '{}' is not a Qwen-VL family this config reads ({})", name,
+                 supported_family_names());
+    return *family;
+  }
+  auto architectures = root.find("architectures");
+  if (architectures != root.end() && architectures->is_array() && !architectures->empty()) {
+    const std::string name = as_string((*architectures)[0], "architectures[0]");
+    std::optional<QwenFamily> family = family_from_name(name);
+    VLMGEN_CHECK(family.has_value(), "config architectures[0] '{}' is not a Qwen-VL family this config reads ({})",
+                 name, supported_family_names());
+    return *family;
+  }
+  return QwenFamily::kQwen2Vl;
+}
+
+struct RopeFields {
+  std::vector<int64_t> mrope_section;
+  std::optional<bool> interleaved;
+};
+
+RopeFields parse_rope(const FieldReader& text) {
   // transformers >= 5 calls it rope_parameters; older versions rope_scaling.
   std::string rope_field;
   const Json* rope = text.find("rope_scaling", &rope_field);
@@ -197,9 +124,13 @@ std::vector<int64_t> parse_mrope_section(const FieldReader& text) {
   auto section = rope->find("mrope_section");
   VLMGEN_CHECK(section != rope->end() && !section->is_null(), "config is missing required field '{}'", field);
   VLMGEN_CHECK(section->is_array(), "config field '{}' must be an array, got JSON {}", field, section->type_name());
-  std::vector<int64_t> out;
+  RopeFields out;
   for (size_t i = 0; i < section->size(); ++i) {
-    out.push_back(as_int((*section)[i], fmt::format("{}[{}]", field, i)));
+    out.mrope_section.push_back(as_int((*section)[i], fmt::format("{}[{}]", field, i)));
+  }
+  auto interleaved = rope->find("mrope_interleaved");
+  if (interleaved != rope->end() && !interleaved->is_null()) {
+    out.interleaved = detail::as_bool(*interleaved, rope_field + ".mrope_interleaved");
   }
   return out;
 }
@@ -227,6 +158,8 @@ QwenVlConfig QwenVlConfig::from_json(const std::string& json_text) {
   const FieldReader tokens(token_scopes);
 
   QwenVlConfig c;
+  c.family = detect_family(root);
+  const detail::QwenFamilySpec& spec = detail::family_spec(c.family);
   c.hidden_size = text.required_int("hidden_size");
   c.num_hidden_layers = text.required_int("num_hidden_layers");
   c.num_attention_heads = text.required_int("num_attention_heads");
@@ -244,17 +177,22 @@ QwenVlConfig QwenVlConfig::from_json(const std::string& json_text) {
     c.head_dim = c.hidden_size / c.num_attention_heads;
   }
   c.rms_norm_eps = text.double_or("rms_norm_eps", 1e-5);
-  c.rope_theta = text.double_or("rope_theta", 1000000.0);
+  c.rope_theta = text.double_or("rope_theta", spec.default_rope_theta);
   c.max_position_embeddings = text.int_or("max_position_embeddings", 32768);
   c.tie_word_embeddings = text.bool_or("tie_word_embeddings", false);
-  c.mrope_section = parse_mrope_section(text);
+  RopeFields rope = parse_rope(text);
+  c.mrope_section = rope.mrope_section;
+  // Qwen3-VL always interleaves (HF applies it unconditionally); a config may say so for any family.
+  c.mrope_interleaved = rope.interleaved.value_or(spec.qwen3_text);
+  c.attention_bias = text.bool_or("attention_bias", !spec.qwen3_text);
+  c.qk_norm = spec.qwen3_text;
 
   c.image_token_id = tokens.int_or("image_token_id", 151655);
   c.video_token_id = tokens.int_or("video_token_id", 151656);
   c.vision_start_token_id = tokens.int_or("vision_start_token_id", 151652);
   c.vision_end_token_id = tokens.int_or("vision_end_token_id", 151653);
 
-  c.vision = parse_vision(root);
+  c.vision = parse_vision(root, spec);
   return c;
 }
 
@@ -268,36 +206,40 @@ QwenVlConfig QwenVlConfig::from_file(const std::string& path) {
 }
 
 std::string QwenVlConfig::to_json() const {
-  Json vision_json = {
-      {"depth", vision.depth},
-      {"embed_dim", vision.embed_dim},
-      {"num_heads", vision.num_heads},
-      {"mlp_ratio", vision.mlp_ratio},
-      {"in_chans", vision.in_channels},  // HF's spelling in Qwen2-VL checkpoints
-      {"patch_size", vision.patch_size},
-      {"temporal_patch_size", vision.temporal_patch_size},
-      {"spatial_merge_size", vision.spatial_merge_size},
-      {"hidden_size", vision.hidden_size},
-      {"hidden_act", vision.hidden_act},
-  };
+  const detail::QwenFamilySpec& spec = detail::family_spec(family);
+  Json vision_json = spec.write_vision(vision);
+  vision_json["depth"] = vision.depth;
+  vision_json["num_heads"] = vision.num_heads;
+  vision_json["temporal_patch_size"] = vision.temporal_patch_size;
+  vision_json["spatial_merge_size"] = vision.spatial_merge_size;
   Json rope = Json::object();
-  rope["type"] = "mrope";
+  rope[spec.qwen3_text ? "rope_type" : "type"] = spec.qwen3_text ? "default" : "mrope";
   rope["mrope_section"] = mrope_section;
+  if (mrope_interleaved || spec.qwen3_text) rope["mrope_interleaved"] = mrope_interleaved;
+
+  Json text = Json::object();
+  text["hidden_size"] = hidden_size;
+  text["num_hidden_layers"] = num_hidden_layers;
+  text["num_attention_heads"] = num_attention_heads;
+  text["num_key_value_heads"] = num_key_value_heads;
+  text["head_dim"] = head_dim;
+  text["intermediate_size"] = intermediate_size;
+  text["rms_norm_eps"] = rms_norm_eps;
+  text["rope_theta"] = rope_theta;
+  text["rope_scaling"] = std::move(rope);
+  text["vocab_size"] = vocab_size;
+  text["max_position_embeddings"] = max_position_embeddings;
+  if (spec.qwen3_text || !attention_bias) text["attention_bias"] = attention_bias;
 
   Json root = Json::object();
-  root["architectures"] = Json::array({"Qwen2VLForConditionalGeneration"});
-  root["model_type"] = "qwen2_vl";
-  root["hidden_size"] = hidden_size;
-  root["num_hidden_layers"] = num_hidden_layers;
-  root["num_attention_heads"] = num_attention_heads;
-  root["num_key_value_heads"] = num_key_value_heads;
-  root["head_dim"] = head_dim;
-  root["intermediate_size"] = intermediate_size;
-  root["rms_norm_eps"] = rms_norm_eps;
-  root["rope_theta"] = rope_theta;
-  root["rope_scaling"] = std::move(rope);
-  root["vocab_size"] = vocab_size;
-  root["max_position_embeddings"] = max_position_embeddings;
+  root["architectures"] = Json::array({spec.architecture});
+  root["model_type"] = spec.model_type;
+  if (spec.nested_text_config) {
+    text["model_type"] = std::string(spec.model_type) + "_text";
+    root["text_config"] = std::move(text);
+  } else {
+    root.update(text);
+  }
   root["tie_word_embeddings"] = tie_word_embeddings;
   root["image_token_id"] = image_token_id;
   root["video_token_id"] = video_token_id;
@@ -307,8 +249,13 @@ std::string QwenVlConfig::to_json() const {
   return root.dump(2);
 }
 
-QwenVlConfig QwenVlConfig::tiny() {
+QwenVlConfig QwenVlConfig::tiny(QwenFamily family) {
   QwenVlConfig c;
+  c.family = family;
+  const detail::QwenFamilySpec& spec = detail::family_spec(family);
+  c.mrope_interleaved = spec.qwen3_text;
+  c.attention_bias = !spec.qwen3_text;
+  c.qk_norm = spec.qwen3_text;
   c.hidden_size = 64;
   c.num_hidden_layers = 2;
   c.num_attention_heads = 4;
@@ -328,26 +275,27 @@ QwenVlConfig QwenVlConfig::tiny() {
   c.vision.depth = 2;
   c.vision.embed_dim = 32;
   c.vision.num_heads = 2;
-  c.vision.mlp_ratio = 2;
   c.vision.in_channels = 3;
   c.vision.patch_size = 4;
   c.vision.temporal_patch_size = 2;
   c.vision.spatial_merge_size = 2;
   c.vision.hidden_size = 64;
-  c.vision.hidden_act = "quick_gelu";
+  spec.tiny_vision(c.vision);
+  if (c.mrope_interleaved) c.mrope_section = {3, 3, 2};  // t at 0, 3, 6; h at 1, 4, 7; w at 2, 5
   return c;
 }
 
 bool QwenVlConfig::operator==(const QwenVlConfig& other) const {
   const auto vision_tuple = [](const QwenVisionConfig& v) {
     return std::tie(v.depth, v.embed_dim, v.num_heads, v.mlp_ratio, v.in_channels, v.patch_size, v.temporal_patch_size,
-                    v.spatial_merge_size, v.hidden_size, v.hidden_act);
+                    v.spatial_merge_size, v.hidden_size, v.hidden_act, v.intermediate_size, v.window_size,
+                    v.fullatt_block_indexes, v.num_position_embeddings, v.deepstack_visual_indexes);
   };
   const auto tuple = [](const QwenVlConfig& c) {
-    return std::tie(c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                    c.intermediate_size, c.rms_norm_eps, c.rope_theta, c.mrope_section, c.vocab_size,
-                    c.max_position_embeddings, c.tie_word_embeddings, c.image_token_id, c.video_token_id,
-                    c.vision_start_token_id, c.vision_end_token_id);
+    return std::tie(c.family, c.mrope_interleaved, c.attention_bias, c.qk_norm, c.hidden_size, c.num_hidden_layers,
+                    c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps,
+                    c.rope_theta, c.mrope_section, c.vocab_size, c.max_position_embeddings, c.tie_word_embeddings,
+                    c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id);
   };
   return tuple(*this) == tuple(other) && vision_tuple(vision) == vision_tuple(other.vision);
 }

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "qwen_family.h"
 #include "vlmgen/detail/checked_math.h"
 #include "vlmgen/error.h"
 #include "vlmgen/models/qwen_vl_config.h"
@@ -25,25 +26,38 @@ int64_t linear(int64_t out, int64_t in, bool bias) {
   return bias ? checked_add(weight, out, kOverflow) : weight;
 }
 
-// Mirrors Qwen2Vl::allocate_weights (a test holds the two to the same number).
-int64_t vision_parameters(const QwenVisionConfig& v, int64_t hidden) {
+// Mirrors QwenVl::allocate_weights (a test holds the two to the same number).
+int64_t vision_parameters(const QwenVlConfig& c) {
+  const QwenVisionConfig& v = c.vision;
+  const detail::QwenFamilySpec& spec = detail::family_spec(c.family);
   const int64_t e = v.embed_dim;
-  const int64_t mlp = checked_mul(e, v.mlp_ratio, kOverflow);
+  const int64_t mlp =
+      spec.family == QwenFamily::kQwen2Vl ? checked_mul(e, v.mlp_ratio, kOverflow) : v.intermediate_size;
   const int64_t merged = checked_mul(e, checked_mul(v.spatial_merge_size, v.spatial_merge_size, kOverflow), kOverflow);
   int64_t patch = checked_mul(e, v.in_channels, kOverflow);
   patch = checked_mul(patch, v.temporal_patch_size, kOverflow);
   patch = checked_mul(patch, checked_mul(v.patch_size, v.patch_size, kOverflow), kOverflow);
+  if (spec.patch_embed_bias) patch = checked_add(patch, e, kOverflow);
+  if (spec.learned_position_table) {
+    patch = checked_add(patch, checked_mul(v.num_position_embeddings, e, kOverflow), kOverflow);
+  }
 
-  int64_t block = checked_mul(4, e, kOverflow);  // norm1, norm2 (weight + bias each)
-  block = checked_add(block, linear(checked_mul(3, e, kOverflow), e, true), kOverflow);  // qkv
-  block = checked_add(block, linear(e, e, true), kOverflow);                             // proj
-  block = checked_add(block, linear(mlp, e, true), kOverflow);                           // fc1
-  block = checked_add(block, linear(e, mlp, true), kOverflow);                           // fc2
+  const int64_t norm = spec.vision_rms_norm ? e : checked_mul(2, e, kOverflow);            // weight (+ bias)
+  int64_t block = checked_mul(2, norm, kOverflow);                                         // norm1, norm2
+  block = checked_add(block, linear(checked_mul(3, e, kOverflow), e, true), kOverflow);    // qkv
+  block = checked_add(block, linear(e, e, true), kOverflow);                               // proj
+  block = checked_add(block, linear(mlp, e, true), kOverflow);                             // fc1 / gate
+  if (spec.vision_gated_mlp) block = checked_add(block, linear(mlp, e, true), kOverflow);  // up
+  block = checked_add(block, linear(e, mlp, true), kOverflow);                             // fc2 / down
 
+  // A merger: its norm (over e, or over merged after the shuffle for DeepStack), fc1, fc2.
+  const int64_t merger_linears =
+      checked_add(linear(merged, merged, true), linear(c.hidden_size, merged, true), kOverflow);
   int64_t total = checked_add(patch, checked_mul(block, v.depth, kOverflow), kOverflow);
-  total = checked_add(total, checked_mul(2, e, kOverflow), kOverflow);  // ln_q
-  total = checked_add(total, linear(merged, merged, true), kOverflow);  // merger fc1
-  return checked_add(total, linear(hidden, merged, true), kOverflow);   // merger fc2
+  total = checked_add(total, checked_add(norm, merger_linears, kOverflow), kOverflow);
+  const int64_t deepstack = checked_add(checked_mul(2, merged, kOverflow), merger_linears, kOverflow);
+  const auto mergers = static_cast<int64_t>(v.deepstack_visual_indexes.size());
+  return checked_add(total, checked_mul(deepstack, mergers, kOverflow), kOverflow);
 }
 
 int64_t language_parameters(const QwenVlConfig& c) {
@@ -51,8 +65,9 @@ int64_t language_parameters(const QwenVlConfig& c) {
   const int64_t q_out = checked_mul(c.num_attention_heads, c.head_dim, kOverflow);
   const int64_t kv_out = checked_mul(c.num_key_value_heads, c.head_dim, kOverflow);
   int64_t layer = checked_mul(2, h, kOverflow);  // input and post-attention norms
-  layer = checked_add(layer, linear(q_out, h, true), kOverflow);
-  layer = checked_add(layer, checked_mul(2, linear(kv_out, h, true), kOverflow), kOverflow);                // k, v
+  if (c.qk_norm) layer = checked_add(layer, checked_mul(2, c.head_dim, kOverflow), kOverflow);
+  layer = checked_add(layer, linear(q_out, h, c.attention_bias), kOverflow);
+  layer = checked_add(layer, checked_mul(2, linear(kv_out, h, c.attention_bias), kOverflow), kOverflow);    // k, v
   layer = checked_add(layer, linear(h, q_out, false), kOverflow);                                           // o
   layer = checked_add(layer, checked_mul(3, linear(c.intermediate_size, h, false), kOverflow), kOverflow);  // MLP
   const int64_t embed = checked_mul(c.vocab_size, h, kOverflow);
@@ -62,7 +77,7 @@ int64_t language_parameters(const QwenVlConfig& c) {
 }
 
 int64_t count_parameters(const QwenVlConfig& c) {
-  return checked_add(language_parameters(c), vision_parameters(c.vision, c.hidden_size), kOverflow);
+  return checked_add(language_parameters(c), vision_parameters(c), kOverflow);
 }
 
 struct SizeField {
@@ -92,9 +107,83 @@ void check_size_bounds(const QwenVlConfig& c) {
       {"vision_config.spatial_merge_size", v.spatial_merge_size, Limits::kMaxSpatialMergeSize},
       {"vision_config.hidden_size", v.hidden_size, Limits::kMaxHiddenSize},
   };
+  const detail::QwenFamilySpec& spec = detail::family_spec(c.family);
+  if (spec.family != QwenFamily::kQwen2Vl) {
+    VLMGEN_CHECK(v.intermediate_size >= 1 && v.intermediate_size <= Limits::kMaxIntermediateSize,
+                 "config vision_config.intermediate_size is {}, expected 1 to {} (QwenVlConfigLimits)",
+                 v.intermediate_size, Limits::kMaxIntermediateSize);
+  }
+  if (spec.window_attention) {
+    const int64_t max_window = Limits::kMaxPatchSize * Limits::kMaxSpatialMergeSize;
+    VLMGEN_CHECK(v.window_size >= 1 && v.window_size <= max_window,
+                 "config vision_config.window_size is {}, expected 1 to {} (QwenVlConfigLimits)", v.window_size,
+                 max_window);
+  }
+  if (spec.learned_position_table) {
+    VLMGEN_CHECK(v.num_position_embeddings >= 1 && v.num_position_embeddings <= Limits::kMaxPositionTable,
+                 "config vision_config.num_position_embeddings is {}, expected 1 to {} (QwenVlConfigLimits)",
+                 v.num_position_embeddings, Limits::kMaxPositionTable);
+  }
   for (const SizeField& f : sizes) {
     VLMGEN_CHECK(f.value >= 1 && f.value <= f.max, "config {} is {}, expected 1 to {} (QwenVlConfigLimits)", f.name,
                  f.value, f.max);
+  }
+}
+
+/// `indexes` strictly increasing, each in [0, bound).
+void check_index_list(const char* field, const std::vector<int64_t>& indexes, int64_t bound, const char* bound_name) {
+  for (size_t i = 0; i < indexes.size(); ++i) {
+    VLMGEN_CHECK(indexes[i] >= 0 && indexes[i] < bound, "config {} {} has entry {}, expected 0 to {} - 1 = {} ({})",
+                 field, indexes, indexes[i], bound_name, bound - 1, bound_name);
+    VLMGEN_CHECK(i == 0 || indexes[i] > indexes[i - 1], "config {} {} must be strictly increasing", field, indexes);
+  }
+}
+
+/// The fields only some families read, against the sizes they index or divide.
+void check_family_fields(const QwenVlConfig& c) {
+  const QwenVisionConfig& v = c.vision;
+  const detail::QwenFamilySpec& spec = detail::family_spec(c.family);
+  if (spec.window_attention) {
+    const int64_t unit = v.patch_size * v.spatial_merge_size;  // bounded: pixels of one merged token
+    VLMGEN_CHECK(v.window_size % unit == 0,
+                 "config vision_config.window_size {} must be a multiple of patch_size {} x spatial_merge_size {} = {}",
+                 v.window_size, v.patch_size, v.spatial_merge_size, unit);
+    check_index_list("vision_config.fullatt_block_indexes", v.fullatt_block_indexes, v.depth, "depth");
+  }
+  if (spec.learned_position_table) {
+    int64_t side = 1;
+    while (side * side < v.num_position_embeddings) ++side;
+    VLMGEN_CHECK(side * side == v.num_position_embeddings,
+                 "config vision_config.num_position_embeddings {} must be a square (a side x side table)",
+                 v.num_position_embeddings);
+  }
+  if (spec.deepstack) {
+    check_index_list("vision_config.deepstack_visual_indexes", v.deepstack_visual_indexes, v.depth, "depth");
+    VLMGEN_CHECK(static_cast<int64_t>(v.deepstack_visual_indexes.size()) <= c.num_hidden_layers,
+                 "config vision_config.deepstack_visual_indexes has {} entries but the LM has {} layers to add them to",
+                 v.deepstack_visual_indexes.size(), c.num_hidden_layers);
+  } else {
+    VLMGEN_CHECK(v.deepstack_visual_indexes.empty(), "config deepstack_visual_indexes is set but {} has no DeepStack",
+                 spec.display_name);
+  }
+  if (c.mrope_interleaved) {
+    // Frequency j < head_dim / 2 belongs to h when j % 3 == 1 and j < 3 * section[1], to w when
+    // j % 3 == 2 and j < 3 * section[2], to t otherwise: each axis must get its section's count.
+    const int64_t half = c.head_dim / 2;
+    int64_t counts[3] = {0, 0, 0};
+    for (int64_t j = 0; j < half; ++j) {
+      if (j % 3 == 1 && j < 3 * c.mrope_section[1]) {
+        ++counts[1];
+      } else if (j % 3 == 2 && j < 3 * c.mrope_section[2]) {
+        ++counts[2];
+      } else {
+        ++counts[0];
+      }
+    }
+    VLMGEN_CHECK(counts[0] == c.mrope_section[0] && counts[1] == c.mrope_section[1] && counts[2] == c.mrope_section[2],
+                 "config mrope_section {} cannot be interleaved over head_dim / 2 = {} frequencies: t, h, w would get "
+                 "{}, {}, {}",
+                 c.mrope_section, half, counts[0], counts[1], counts[2]);
   }
 }
 
@@ -126,6 +215,7 @@ void QwenVlConfig::validate() const {
                vision.num_heads);
   VLMGEN_CHECK(vision.hidden_size == hidden_size,
                "config vision_config.hidden_size {} must equal the LM hidden_size {}", vision.hidden_size, hidden_size);
+  check_family_fields(*this);
   const std::pair<const char*, int64_t> token_ids[] = {
       {"image_token_id", image_token_id},
       {"video_token_id", video_token_id},

@@ -43,42 +43,6 @@ constexpr double kReplayTolerance = 1e-5;  // no-cache prompt logits, step k vs 
 // digits: measured max 3.7e-6, mostly the printing.
 constexpr double kParityTolerance = 2e-5;
 
-// Left-padded [B, L] ids and mask of `rows`.
-struct Batch {
-  at::Tensor ids;   // [B, L], int64
-  at::Tensor mask;  // [B, L], int64
-  std::vector<int64_t> pads;
-};
-
-Batch left_pad(const std::vector<std::vector<int64_t>>& rows) {
-  int64_t len = 0;
-  for (const auto& r : rows) len = std::max<int64_t>(len, static_cast<int64_t>(r.size()));
-  const auto b = static_cast<int64_t>(rows.size());
-  Batch out{at::zeros({b, len}, at::kLong), at::zeros({b, len}, at::kLong), {}};
-  for (int64_t i = 0; i < b; ++i) {
-    const auto n = static_cast<int64_t>(rows[i].size());
-    out.pads.push_back(len - n);
-    out.ids[i].narrow(0, len - n, n).copy_(at::tensor(rows[i], at::kLong));
-    out.mask[i].narrow(0, len - n, n).fill_(1);
-  }
-  return out;
-}
-
-// Full no-cache forward over a left-padded batch: [B, L, vocab].
-at::Tensor full_forward(Qwen2Vl& model, const Batch& batch, const VisionInputs& vision) {
-  ForwardArgs args;
-  args.input_ids = batch.ids;
-  args.attention_mask = batch.mask;
-  args.position_ids = model.plan_positions(batch.ids, batch.mask, vision).prompt_positions;
-  args.vision = vision;
-  return model.forward(args);
-}
-
-double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
-  EXPECT_EQ(a.sizes(), b.sizes());
-  return (a - b).abs().max().item<double>();
-}
-
 class Qwen2VlTest : public ::testing::Test {
  protected:
   QwenVlConfig config_ = test_config();
@@ -270,13 +234,13 @@ TEST_F(Qwen2VlTest, PlanPositionsRejectsPlaceholdersThatDisagreeWithTheBundle) {
       [&] {
         model_.plan_positions(batch.ids, batch.mask, make_vision(config_, {{1, 4, 8}}, 1));
       },
-      ::testing::ThrowsMessage<Error>(AllOf(HasSubstr("needs 8"), HasSubstr("found 4"))));
+      ::testing::ThrowsMessage<Error>(AllOf(HasSubstr("hold 4 image placeholder tokens"), HasSubstr("need 8"))));
   // Two images in the bundle, one placeholder run in the prompt.
   EXPECT_THAT(
       [&] {
         model_.plan_positions(batch.ids, batch.mask, make_vision(config_, {{1, 4, 4}, {1, 4, 4}}, 1));
       },
-      ::testing::ThrowsMessage<Error>(HasSubstr("placeholder runs for 1 images but the vision bundle has 2")));
+      ::testing::ThrowsMessage<Error>(AllOf(HasSubstr("hold 4 image placeholder tokens"), HasSubstr("2 images"))));
 }
 
 TEST_F(Qwen2VlTest, PlaceholderCountMismatchIsAnError) {
@@ -410,44 +374,6 @@ TEST(Qwen2VlConfigTest, BadConfigsAreRejectedWithTheNumbers) {
 // formulas (rotary layouts, merge order, section split, positions) that self-consistency tests
 // such as cache-vs-no-cache cannot see.
 
-// uniform in [-amp, amp), a deterministic hash of (i, k); identical in double on every libm
-std::vector<double> hashed(int64_t n, int64_t k, double amp) {
-  std::vector<double> out(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    const double h = std::sin((i + 1) * 12.9898 + (k + 1) * 78.233) * 43758.5453;
-    out[i] = (h - std::floor(h) - 0.5) * 2 * amp;
-  }
-  return out;
-}
-
-at::Tensor hashed_tensor(int64_t n, int64_t k, double amp, double offset = 0.0) {
-  std::vector<double> v = hashed(n, k, amp);
-  for (double& x : v) x += offset;
-  return at::tensor(v, at::kDouble).to(at::kFloat);
-}
-
-int64_t name_key(const std::string& name) {
-  int64_t key = 0;
-  for (size_t j = 0; j < name.size(); ++j) key += static_cast<int64_t>(j + 1) * static_cast<unsigned char>(name[j]);
-  return key % 9973;
-}
-
-void fill_hashed_weights(Qwen2Vl& model) {
-  for (const auto& [weight_name, t] : model.named_weights()) {
-    const std::string& name = weight_name;  // a lambda may not capture a structured binding in C++17 (clang)
-    auto ends_with = [&](const std::string& s) {
-      return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
-    };
-    const bool norm = ends_with("norm1.weight") || ends_with("norm2.weight") || ends_with("ln_q.weight") ||
-                      ends_with("layernorm.weight") || name == "model.norm.weight";
-    *t = hashed_tensor(t->numel(), name_key(name), norm ? 0.2 : 0.1, norm ? 1.0 : 0.0).view(t->sizes());
-  }
-}
-
-double max_abs_diff(const at::Tensor& a, const std::vector<double>& expected) {
-  return max_abs_diff(a.to(at::kDouble), at::tensor(expected, at::kDouble));
-}
-
 // The expected numbers below come from tests/model/reference/qwen2_vl_reference.py, an
 // independent PyTorch transcription of HF's Qwen2-VL (run it with python3 + Debian's
 // python3-torch to regenerate them), never from this C++ code.
@@ -496,11 +422,11 @@ TEST(Qwen2VlHfParityTest, LogitsEmbeddingsAndPositionsMatchHfTranscription) {
   const at::Tensor u_vocab = hashed_tensor(config.vocab_size, 4242, 1.0).to(at::kDouble);
 
   at::Tensor embeddings = model.encode_images(vision);
-  const double embed_diff = max_abs_diff(at::matmul(embeddings.to(at::kDouble), u_hidden), kEmbeddingProjection);
+  const double embed_diff = max_abs_diff_to(at::matmul(embeddings.to(at::kDouble), u_hidden), kEmbeddingProjection);
   at::Tensor logits = full_forward(model, batch, vision).to(at::kDouble);
   at::Tensor projected = at::matmul(logits, u_vocab);  // [2, 22]
-  const double logit_diff = std::max(max_abs_diff(projected[0], kLogitProjectionRow0),
-                                     max_abs_diff(projected[1].narrow(0, 9, 13), kLogitProjectionRow1));
+  const double logit_diff = std::max(max_abs_diff_to(projected[0], kLogitProjectionRow0),
+                                     max_abs_diff_to(projected[1].narrow(0, 9, 13), kLogitProjectionRow1));
   report("HF transcription parity, image embedding projection max|diff|", embed_diff);
   report("HF transcription parity, logit projection max|diff|", logit_diff);
   EXPECT_LE(embed_diff, kParityTolerance);
@@ -512,34 +438,11 @@ TEST(Qwen2VlHfParityTest, LogitsEmbeddingsAndPositionsMatchHfTranscription) {
 
 class Qwen2VlCheckpointTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::string pattern = ::testing::TempDir() + "vlmgen_qwen2vl_XXXXXX";
-    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
-    root_ = pattern;
-  }
-  void TearDown() override {
-    std::error_code ec;
-    std::filesystem::remove_all(root_, ec);
-  }
-  std::string dir(const std::string& name) const { return (std::filesystem::path(root_) / name).string(); }
-
-  // The tensors of a saved checkpoint, by name.
-  static std::map<std::string, at::Tensor> read_all(const std::string& d) {
-    SafetensorsCheckpoint ckpt(d);
-    std::map<std::string, at::Tensor> out;
-    for (const auto& n : ckpt.names()) out.emplace(n, ckpt.tensor(n));
-    return out;
-  }
-  // A checkpoint dir with `config`'s config.json and `tensors`.
+  std::string dir(const std::string& name) const { return scratch_.dir(name); }
+  static std::map<std::string, at::Tensor> read_all(const std::string& d) { return read_all_tensors(d); }
   static void write_checkpoint(const std::string& d, const QwenVlConfig& config,
                                const std::map<std::string, at::Tensor>& tensors) {
-    std::filesystem::create_directories(d);
-    std::FILE* f = std::fopen((d + "/config.json").c_str(), "wb");
-    ASSERT_NE(f, nullptr);
-    const std::string json = config.to_json();
-    std::fwrite(json.data(), 1, json.size(), f);
-    std::fclose(f);
-    save_safetensors(d + "/model.safetensors", tensors);
+    write_checkpoint_dir(d, config.to_json(), tensors);
   }
 
   at::Tensor logits(Qwen2Vl& model) {
@@ -547,7 +450,7 @@ class Qwen2VlCheckpointTest : public ::testing::Test {
     return full_forward(model, batch, vision_);
   }
 
-  std::string root_;
+  ScratchDir scratch_;
   QwenVlConfig config_ = test_config();
   VisionInputs vision_ = make_vision(config_, {{1, 4, 4}, {1, 4, 4}}, 71);
 };
@@ -656,15 +559,6 @@ TEST_F(Qwen2VlCheckpointTest, ShapeMismatchNamesBothShapes) {
 
 // ---------------------------------------------------------------------------------------------
 // Through the generator
-
-GenerateRequest make_request(const std::vector<std::vector<int64_t>>& prompts, const VisionInputs& vision,
-                             InferenceContext* context = nullptr) {
-  GenerateRequest request;
-  request.prompts = prompts;
-  request.vision = vision;
-  request.context = context;
-  return request;
-}
 
 class Qwen2VlGeneratorTest : public ::testing::Test {
  protected:
@@ -775,34 +669,6 @@ TEST_F(Qwen2VlGeneratorTest, BatchRowsWithDifferentImagesAndLengthsMatchRowsAlon
       EXPECT_EQ(batched.sequences[r].tokens, alone.sequences[0].tokens) << "row " << r << " kv " << kv;
     }
   }
-}
-
-// The prompt's logits at steps 0..7 of a no-cache generation; returns max|diff| from step 0.
-double prompt_logit_drift(Qwen2Vl& model, const std::vector<std::vector<int64_t>>& prompts, const VisionInputs& vision,
-                          ReplayMode mode, double* argmax_agreement = nullptr) {
-  testing::ForwardSpy spy(model);
-  spy.record_tensors(true);
-  Generator(spy).generate(
-      make_request(prompts, vision),
-      GenerationConfig().max_new_tokens(8).enable_kv_cache(false).replay_mode(mode).full_logits(true));
-  EXPECT_EQ(spy.calls().size(), 8u);
-  const at::Tensor& step0 = spy.calls().front().logits;
-  const int64_t prompt_len = step0.size(1);
-  // Padding query rows are garbage by design; compare real columns only.
-  at::Tensor real = left_pad(prompts).mask.to(at::kBool);
-  const at::Tensor argmax0 = step0.argmax(-1).masked_select(real);
-  double worst = 0.0;
-  if (argmax_agreement != nullptr) *argmax_agreement = 1.0;
-  for (const auto& call : spy.calls()) {
-    at::Tensor prefix = call.logits.narrow(1, 0, prompt_len);
-    worst = std::max(
-        worst, max_abs_diff(prefix.masked_fill(~real.unsqueeze(-1), 0), step0.masked_fill(~real.unsqueeze(-1), 0)));
-    if (argmax_agreement != nullptr) {
-      const double agree = prefix.argmax(-1).masked_select(real).eq(argmax0).to(at::kDouble).mean().item<double>();
-      *argmax_agreement = std::min(*argmax_agreement, agree);
-    }
-  }
-  return worst;
 }
 
 TEST_F(Qwen2VlGeneratorTest, NoCachePromptLogitsAreStepInvariant) {

@@ -354,6 +354,44 @@ TEST(DISABLED_TpModelWorker, SequenceParallelOddPromptEqualsTp1) {
   report("TP=2 + SP vs TP=1 per-step logits (odd prompt, KV cache, chunked, no cache), max|diff|", worst);
 }
 
+// Qwen2.5-VL (window attention, SwiGLU tower) and Qwen3-VL (DeepStack, q/k norms, interleaved
+// M-RoPE) under TP=2 (vision tower sharded) and TP=2 + SP with an odd prompt (prefill whole or
+// in chunks, and no cache): per-step logits equal TP=1.
+TEST(DISABLED_TpModelWorker, NewFamiliesEqualTp1UnderTpAndSp) {
+  SKIP_UNLESS_WORKER();
+  auto [par, counter] = counted_context(/*sequence_parallel=*/false);
+  auto [sp, sp_counter] = counted_context(/*sequence_parallel=*/true);
+  double worst = 0.0;
+  for (QwenFamily family : {QwenFamily::kQwen2_5Vl, QwenFamily::kQwen3Vl}) {
+    QwenVlConfig config = QwenVlConfig::tiny(family);
+    config.max_position_embeddings = 512;
+    QwenVl reference(config, 13);
+    QwenVl tp_model(config, 13, 0.02, par);
+    QwenVl sp_model(config, 13, 0.02, sp);
+    EXPECT_TRUE(tp_model.vision_tower_sharded());
+    struct Case {
+      bool sequence_parallel;
+      bool kv;
+      int64_t chunk;
+    };
+    for (const Case c : {Case{false, true, 0}, Case{false, false, 0}, Case{true, true, 0}, Case{true, true, 7},
+                         Case{true, false, 0}}) {
+      const GenerateRequest request = c.sequence_parallel ? odd_length_request(config) : image_request(config);
+      const auto gen_config = GenerationConfig().max_new_tokens(6).enable_kv_cache(c.kv).prefill_chunk_size(c.chunk);
+      const std::string what =
+          fmt::format("{}, SP {}, kv {}, chunk {}", family_model_type(family), c.sequence_parallel, c.kv, c.chunk);
+      RecordedRun tp1 = generate_recorded(reference, ParallelContext::single(), request, gen_config);
+      const ParallelContext& p = c.sequence_parallel ? sp : par;
+      RecordedRun tp2 = generate_recorded(c.sequence_parallel ? sp_model : tp_model, p, request, gen_config);
+      EXPECT_EQ(tp2.result.stats.used_kv_cache, c.kv) << what;
+      worst = std::max(worst, expect_run_matches_tp1(tp1, tp2, what));
+      expect_same_tokens_on_every_rank(tp2.result, *p.tp_group(), 6);
+    }
+  }
+  EXPECT_GT(sp_counter->reduce_scatters, 0) << "sequence parallelism split the prefill";
+  report("Qwen2.5-VL and Qwen3-VL: TP=2 (and + SP) vs TP=1 per-step logits, max|diff|", worst);
+}
+
 // A model that cannot decode with a KV cache under SP: the reference model behind traits that
 // say so.
 class KvCacheNotUnderSequenceParallel : public CausalVlm {
@@ -620,6 +658,10 @@ std::vector<std::pair<std::string, std::string>> two_rank_env(
 
 TEST(TensorParallelModel, GreedyTp2EqualsTp1WithAndWithoutKvCache) {
   EXPECT_EQ(run_workers(2, "DISABLED_TpModelWorker.GreedyWithImageEqualsTp1WithAndWithoutKvCache", two_rank_env()), 0);
+}
+
+TEST(TensorParallelModel, Qwen2_5VlAndQwen3VlEqualTp1UnderTpAndSp) {
+  EXPECT_EQ(run_workers(2, "DISABLED_TpModelWorker.NewFamiliesEqualTp1UnderTpAndSp", two_rank_env()), 0);
 }
 
 TEST(TensorParallelModel, ScoresTp2EqualTp1) {

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,29 +26,71 @@ struct QwenVlConfigLimits {
   static constexpr int64_t kMaxPatchSize = 1024;  // vision patch_size
   static constexpr int64_t kMaxTemporalPatchSize = 64;
   static constexpr int64_t kMaxSpatialMergeSize = 64;
+  static constexpr int64_t kMaxPositionTable = 1 << 20;  // Qwen3-VL num_position_embeddings
   /// All weights together (parameter_count()): 2^40, about 15 times Qwen2-VL-72B.
   static constexpr int64_t kMaxParameters = int64_t{1} << 40;
   /// Largest config.json text (real ones are a few KB).
   static constexpr int64_t kMaxConfigBytes = int64_t{4} << 20;
 };
 
-/// The vision tower part of a Qwen2-VL config (HF `vision_config`).
+/// The Qwen-VL generations this library implements. What differs between them:
+///
+/// | | Qwen2-VL | Qwen2.5-VL | Qwen3-VL (dense) |
+/// | --- | --- | --- | --- |
+/// | vision norms | LayerNorm | RMSNorm | LayerNorm |
+/// | vision MLP | fc1, act, fc2 | SwiGLU (gate/up/down, biases) | fc1, tanh-GELU, fc2 |
+/// | vision attention | per frame | windows, full at fullatt_block_indexes | per frame |
+/// | vision positions | 2-D rotary | 2-D rotary | 2-D rotary + learned table, bilinear |
+/// | DeepStack | - | - | mergers at deepstack_visual_indexes, added after LM layers 0.. |
+/// | LM | Qwen2 (qkv bias) | Qwen2 (qkv bias) | Qwen3 (q/k RMSNorm per head, no bias) |
+/// | M-RoPE | chunked sections | chunked sections | interleaved sections |
+enum class QwenFamily { kQwen2Vl, kQwen2_5Vl, kQwen3Vl };
+
+/// HF model_type of a family: "qwen2_vl", "qwen2_5_vl", "qwen3_vl".
+const char* family_model_type(QwenFamily family);
+/// The family of an HF model_type ("qwen2_vl", ...) or architecture
+/// ("Qwen2VLForConditionalGeneration", ...); std::nullopt when it is none of them.
+std::optional<QwenFamily> family_from_name(const std::string& model_type_or_architecture);
+/// "qwen2_vl, qwen2_5_vl, qwen3_vl": for messages.
+std::string supported_family_names();
+
+/// The vision tower part of a Qwen-VL config (HF `vision_config`). Field names follow Qwen2-VL's
+/// config; Qwen2.5-VL and Qwen3-VL call embed_dim `hidden_size` and hidden_size
+/// `out_hidden_size` in config.json, which from_json maps.
 struct QwenVisionConfig {
   int64_t depth = 32;        // vision blocks
   int64_t embed_dim = 1280;  // hidden size of the vision blocks
   int64_t num_heads = 16;
-  int64_t mlp_ratio = 4;  // MLP hidden = embed_dim * mlp_ratio
+  int64_t mlp_ratio = 4;  // Qwen2-VL: MLP hidden = embed_dim * mlp_ratio
   int64_t in_channels = 3;
   int64_t patch_size = 14;
   int64_t temporal_patch_size = 2;
   int64_t spatial_merge_size = 2;
   int64_t hidden_size = 3584;  // output width of the merger (= the LM's hidden size)
   std::string hidden_act = "quick_gelu";
+  /// Qwen2.5-VL and Qwen3-VL: the MLP hidden width (Qwen2-VL derives it from mlp_ratio).
+  int64_t intermediate_size = 0;
+  /// Qwen2.5-VL: side of an attention window in pixels (a multiple of patch_size *
+  /// spatial_merge_size), and the blocks that attend over the whole frame instead.
+  int64_t window_size = 0;
+  std::vector<int64_t> fullatt_block_indexes;
+  /// Qwen3-VL: entries of the learned position table (a square: side^2), interpolated
+  /// bilinearly to each image's grid.
+  int64_t num_position_embeddings = 0;
+  /// Qwen3-VL: the vision blocks whose outputs go through a DeepStack merger; feature k is
+  /// added to the LM's hidden states after decoder layer k at the image positions.
+  std::vector<int64_t> deepstack_visual_indexes;
+
+  /// The MLP hidden width for `family`.
+  int64_t mlp_width(QwenFamily family) const {
+    return family == QwenFamily::kQwen2Vl ? embed_dim * mlp_ratio : intermediate_size;
+  }
 };
 
-/// A Qwen2-VL model config, read from an HF config.json in the flat layout (text fields at the
-/// top level) or the nested one (`text_config`).
+/// A Qwen-VL model config (Qwen2-VL, Qwen2.5-VL or Qwen3-VL), read from an HF config.json in the
+/// flat layout (text fields at the top level) or the nested one (`text_config`).
 struct QwenVlConfig {
+  QwenFamily family = QwenFamily::kQwen2Vl;
   int64_t hidden_size = 3584;
   int64_t num_hidden_layers = 28;
   int64_t num_attention_heads = 28;
@@ -57,6 +100,13 @@ struct QwenVlConfig {
   double rms_norm_eps = 1e-6;
   double rope_theta = 1000000.0;
   std::vector<int64_t> mrope_section = {16, 24, 24};  // sums to head_dim / 2
+  /// Qwen3-VL: frequencies cycle t, h, w (h at 1, 4, ... below 3 * section[1], w at 2, 5, ...
+  /// below 3 * section[2], t elsewhere) instead of one chunk per axis.
+  bool mrope_interleaved = false;
+  /// q/k/v projections carry a bias (Qwen2: yes; Qwen3: attention_bias, false by default).
+  bool attention_bias = true;
+  /// Qwen3: RMSNorm over head_dim on each query and key head before the rotary.
+  bool qk_norm = false;
   int64_t vocab_size = 152064;
   int64_t max_position_embeddings = 32768;
   bool tie_word_embeddings = false;
@@ -91,8 +141,16 @@ struct QwenVlConfig {
     return 2 * num_hidden_layers * num_key_value_heads * head_dim * bytes_per_element;
   }
 
-  /// A tiny config for tests: 2 LM layers, hidden 64, 4 heads (2 KV heads), vision depth 2.
-  static QwenVlConfig tiny();
+  /// A tiny config for tests: 2 LM layers, hidden 64, 4 heads (2 KV heads), vision depth 2, in
+  /// the given family (Qwen2.5-VL: window 16 px = 2x2 merged tokens, block 1 full; Qwen3-VL:
+  /// a 4x4 position table, DeepStack after vision block 0, interleaved M-RoPE).
+  static QwenVlConfig tiny(QwenFamily family = QwenFamily::kQwen2Vl);
+
+  /// Number of DeepStack features per image token (0 unless Qwen3-VL).
+  int64_t deepstack_count() const { return static_cast<int64_t>(vision.deepstack_visual_indexes.size()); }
+  /// Width of one image-embedding row as encode_images returns it: the merged embedding followed
+  /// by its DeepStack features, hidden_size * (1 + deepstack_count()).
+  int64_t image_embedding_width() const { return hidden_size * (1 + deepstack_count()); }
 
   bool operator==(const QwenVlConfig& other) const;
 };

@@ -92,8 +92,9 @@ class RequestStepper {
     }
 
     // Position ids of every column; the rope delta lives here, per request.
-    const RopePlan plan = model.plan_positions(rows_->tokens().narrow(1, 0, layout_.prompt_len),
-                                               rows_->mask().narrow(1, 0, layout_.prompt_len), vision);
+    const RopePlan plan =
+        model.plan_positions_with_spans(rows_->tokens().narrow(1, 0, layout_.prompt_len),
+                                        rows_->mask().narrow(1, 0, layout_.prompt_len), vision, layout_.spans);
     positions_ = extend_positions(plan, layout_.pads, layout_.total);  // [B, total] or [3, B, total]
     if (!device.is_cpu()) positions_ = positions_.to(device);
     window_vision_ = std::make_unique<WindowVision>(

@@ -104,6 +104,10 @@ class ForwardSpy : public CausalVlm {
                           const VisionInputs& vision) const override {
     return inner_.plan_positions(input_ids, attention_mask, vision);
   }
+  RopePlan plan_positions_with_spans(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                     const VisionInputs& vision, const std::vector<ImageSpan>& spans) const override {
+    return inner_.plan_positions_with_spans(input_ids, attention_mask, vision, spans);
+  }
   bool can_encode_images() const override { return inner_.can_encode_images(); }
   at::Tensor encode_images(const VisionInputs& vision) override { return inner_.encode_images(vision); }
 

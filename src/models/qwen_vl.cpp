@@ -1,4 +1,4 @@
-#include "vlmgen/models/qwen2_vl.h"
+#include "vlmgen/models/qwen_vl.h"
 
 #include <algorithm>
 #include <array>
@@ -6,7 +6,8 @@
 #include <utility>
 #include <vector>
 
-#include "qwen2_vl_ops.h"
+#include "qwen_family.h"
+#include "qwen_vl_ops.h"
 #include "vlmgen/detail/tensor_utils.h"
 #include "vlmgen/detail/torch_compat.h"
 #include "vlmgen/distributed/communicator.h"
@@ -23,7 +24,7 @@ void check_config(const QwenVlConfig& c) {
   // after it) can overflow, and the constructor never accepts what validate() refuses.
   c.validate();
   VLMGEN_CHECK(c.hidden_size >= 1 && c.num_hidden_layers >= 1 && c.intermediate_size >= 1 && c.vocab_size >= 1,
-               "Qwen2-VL config needs positive hidden_size, num_hidden_layers, intermediate_size and vocab_size, "
+               "Qwen-VL config needs positive hidden_size, num_hidden_layers, intermediate_size and vocab_size, "
                "got {}, {}, {}, {}",
                c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size);
   VLMGEN_CHECK(
@@ -56,14 +57,17 @@ void check_config(const QwenVlConfig& c) {
   VLMGEN_CHECK(v.hidden_size == c.hidden_size,
                "vision_config.hidden_size {} (the merger's output) must equal the LM hidden_size {}", v.hidden_size,
                c.hidden_size);
-  VLMGEN_CHECK(v.hidden_act == "quick_gelu" || v.hidden_act == "gelu",
-               "vision hidden_act \"{}\" is not supported (quick_gelu or gelu)", v.hidden_act);
+  const bool known_act = v.hidden_act == "quick_gelu" || v.hidden_act == "gelu" || v.hidden_act == "silu" ||
+                         v.hidden_act == "gelu_pytorch_tanh";
+  VLMGEN_CHECK(known_act, "vision hidden_act \"{}\" is not supported (quick_gelu, gelu, gelu_pytorch_tanh or silu)",
+               v.hidden_act);
 }
 
 /// The vision tower is split when all of its split dimensions divide by tp; else replicated.
-bool can_shard_vision(const QwenVisionConfig& v, int64_t tp) {
+bool can_shard_vision(const QwenVlConfig& c, int64_t tp) {
+  const QwenVisionConfig& v = c.vision;
   const int64_t merged = v.embed_dim * v.spatial_merge_size * v.spatial_merge_size;
-  return tp > 1 && v.num_heads % tp == 0 && (v.embed_dim * v.mlp_ratio) % tp == 0 && merged % tp == 0;
+  return tp > 1 && v.num_heads % tp == 0 && v.mlp_width(c.family) % tp == 0 && merged % tp == 0;
 }
 
 ModelTraits make_traits(const QwenVlConfig& c) {
@@ -93,14 +97,15 @@ bool is_norm_weight(const std::string& name) {
     return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
   };
   return ends_with("norm1.weight") || ends_with("norm2.weight") || ends_with("ln_q.weight") ||
-         ends_with("layernorm.weight") || name == "model.norm.weight";
+         ends_with("merger.norm.weight") || ends_with(".norm.weight") || ends_with("layernorm.weight") ||
+         ends_with("q_norm.weight") || ends_with("k_norm.weight") || name == "model.norm.weight";
 }
 
 }  // namespace
 
 /// What tensor parallelism needs of a config: every rank holds the same number of attention
 /// heads, KV heads, MLP rows and vocabulary rows. Checked before any allocation or collective.
-void Qwen2Vl::check_parallel_config(const QwenVlConfig& c, const ParallelContext& p) {
+void QwenVl::check_parallel_config(const QwenVlConfig& c, const ParallelContext& p) {
   const int64_t tp = p.tp_size();
   if (tp == 1) return;
   const auto& group = p.tp_group();
@@ -108,10 +113,11 @@ void Qwen2Vl::check_parallel_config(const QwenVlConfig& c, const ParallelContext
                "the ParallelContext says tp rank {} of {} but its communicator is {}", p.tp_rank(), tp,
                group == nullptr ? std::string("missing") : fmt::format("rank {} of {}", group->rank(), group->size()));
   auto check_divides = [&](const char* field, int64_t value) {
-    VLMGEN_CHECK(value % tp == 0,
-                 "cannot split Qwen2-VL over tensor-parallel size {}: {} {} is not divisible by {} (every rank must "
-                 "hold the same number)",
-                 tp, field, value, tp);
+    VLMGEN_CHECK(
+        value % tp == 0,
+        "cannot split a Qwen-VL model over tensor-parallel size {}: {} {} is not divisible by {} (every rank must "
+        "hold the same number)",
+        tp, field, value, tp);
   };
   check_divides("num_attention_heads", c.num_attention_heads);
   check_divides("num_key_value_heads", c.num_key_value_heads);
@@ -119,25 +125,25 @@ void Qwen2Vl::check_parallel_config(const QwenVlConfig& c, const ParallelContext
   check_divides("vocab_size", c.vocab_size);
 }
 
-Qwen2Vl::Qwen2Vl(const QwenVlConfig& config, Uninitialized, ParallelContext parallel)
+QwenVl::QwenVl(const QwenVlConfig& config, Uninitialized, ParallelContext parallel)
     : config_(config), parallel_(std::move(parallel)) {
   check_config(config_);
   check_parallel_config(config_, parallel_);
   tp_comm_ = parallel_.tp_size() > 1 ? parallel_.tp_group().get() : nullptr;
-  vision_sharded_ = can_shard_vision(config_.vision, parallel_.tp_size());
+  vision_sharded_ = can_shard_vision(config_, parallel_.tp_size());
   traits_ = make_traits(config_);
   traits_.kv_cache.num_kv_heads = config_.num_key_value_heads / parallel_.tp_size();
   traits_.vocab_parallel_logits = parallel_.tp_size() > 1;
   allocate_weights();
 }
 
-Qwen2Vl::Qwen2Vl(const QwenVlConfig& config, uint64_t seed, double init_std, ParallelContext parallel)
-    : Qwen2Vl(config, Uninitialized{}, std::move(parallel)) {
+QwenVl::QwenVl(const QwenVlConfig& config, uint64_t seed, double init_std, ParallelContext parallel)
+    : QwenVl(config, Uninitialized{}, std::move(parallel)) {
   VLMGEN_CHECK(init_std >= 0.0, "init_std must be >= 0, got {}", init_std);
   init_random(seed, init_std);
 }
 
-void Qwen2Vl::allocate_weights() {
+void QwenVl::allocate_weights() {
   // Sizes are bounded by validate() (check_config); a model that is valid but larger than this
   // machine's memory is still refused as a vlmgen::Error naming the numbers.
   const int64_t parameters = config_.parameter_count();
@@ -147,31 +153,44 @@ void Qwen2Vl::allocate_weights() {
     const int64_t vtp = vision_sharded_ ? tp : 1;
     const auto opts = at::TensorOptions().dtype(at::kFloat);
     auto linear = [&](int64_t out, int64_t in, bool bias) {
-      qwen2_vl::Linear l;
+      qwen_vl::Linear l;
       l.weight = at::empty({out, in}, opts);
       if (bias) l.bias = at::empty({out}, opts);
       return l;
     };
-    auto layer_norm = [&](int64_t dim) { return qwen2_vl::LayerNorm{at::empty({dim}, opts), at::empty({dim}, opts)}; };
+    const detail::QwenFamilySpec& spec = detail::family_spec(config_.family);
+    // An RMSNorm is a LayerNorm without bias.
+    auto layer_norm = [&](int64_t dim, bool rms) {
+      return qwen_vl::LayerNorm{at::empty({dim}, opts), rms ? at::Tensor() : at::empty({dim}, opts)};
+    };
 
     const QwenVisionConfig& v = config_.vision;
     const int64_t e = v.embed_dim;
+    const int64_t mlp = v.mlp_width(config_.family);
     const int64_t merged = e * v.spatial_merge_size * v.spatial_merge_size;
     vision_.patch_embed = at::empty({e, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size}, opts);
+    vision_.patch_embed_bias = spec.patch_embed_bias ? at::empty({e}, opts) : at::Tensor();
+    vision_.position_table =
+        spec.learned_position_table ? at::empty({v.num_position_embeddings, e}, opts) : at::Tensor();
     vision_.blocks.clear();
     for (int64_t i = 0; i < v.depth; ++i) {
-      qwen2_vl::VisionBlock b;
-      b.norm1 = layer_norm(e);
+      qwen_vl::VisionBlock b;
+      b.norm1 = layer_norm(e, spec.vision_rms_norm);
       b.qkv = linear(3 * e / vtp, e, true);
       b.proj = linear(e, e / vtp, true);
-      b.norm2 = layer_norm(e);
-      b.fc1 = linear(e * v.mlp_ratio / vtp, e, true);
-      b.fc2 = linear(e, e * v.mlp_ratio / vtp, true);
+      b.norm2 = layer_norm(e, spec.vision_rms_norm);
+      b.fc1 = linear(mlp / vtp, e, true);
+      if (spec.vision_gated_mlp) b.up = linear(mlp / vtp, e, true);
+      b.fc2 = linear(e, mlp / vtp, true);
       vision_.blocks.push_back(std::move(b));
     }
-    vision_.ln_q = layer_norm(e);
-    vision_.merger_fc1 = linear(merged / vtp, merged, true);
-    vision_.merger_fc2 = linear(config_.hidden_size, merged / vtp, true);
+    auto merger = [&](int64_t norm_dim, bool rms) {
+      return qwen_vl::PatchMerger{layer_norm(norm_dim, rms), linear(merged / vtp, merged, true),
+                                  linear(config_.hidden_size, merged / vtp, true)};
+    };
+    vision_.merger = merger(e, spec.vision_rms_norm);
+    vision_.deepstack.clear();
+    for (size_t i = 0; i < v.deepstack_visual_indexes.size(); ++i) vision_.deepstack.push_back(merger(merged, false));
 
     const int64_t h = config_.hidden_size;
     const int64_t q_out = config_.num_attention_heads * config_.head_dim / tp;
@@ -181,11 +200,15 @@ void Qwen2Vl::allocate_weights() {
     lm_.embed_tokens = at::empty({vocab, h}, opts);
     lm_.layers.clear();
     for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
-      qwen2_vl::DecoderLayer l;
+      qwen_vl::DecoderLayer l;
       l.input_layernorm = at::empty({h}, opts);
-      l.q_proj = linear(q_out, h, true);
-      l.k_proj = linear(kv_out, h, true);
-      l.v_proj = linear(kv_out, h, true);
+      l.q_proj = linear(q_out, h, config_.attention_bias);
+      l.k_proj = linear(kv_out, h, config_.attention_bias);
+      l.v_proj = linear(kv_out, h, config_.attention_bias);
+      if (config_.qk_norm) {
+        l.q_norm = at::empty({config_.head_dim}, opts);
+        l.k_norm = at::empty({config_.head_dim}, opts);
+      }
       l.o_proj = linear(h, q_out, false);
       l.post_attention_layernorm = at::empty({h}, opts);
       l.gate_proj = linear(ffn, h, false);
@@ -205,14 +228,14 @@ void Qwen2Vl::allocate_weights() {
   }
 }
 
-void Qwen2Vl::init_random(uint64_t seed, double init_std) {
+void QwenVl::init_random(uint64_t seed, double init_std) {
   // One generator walked in named_weights() order: the same weights on every build and device.
   // A split weight is drawn whole and sliced, so the ranks hold the single-process model.
   at::Generator gen = detail::make_cpu_generator(seed);
   for (WeightSlot& slot : weight_slots()) {
     // Norm weights near 1 (not exactly 1) so a test mixing up two norms can tell them apart.
     const double mean = is_norm_weight(slot.name) ? 1.0 : 0.0;
-    if (slot.layout == qwen2_vl::ShardLayout::kReplicated) {
+    if (slot.layout == qwen_vl::ShardLayout::kReplicated) {
       slot.tensor->normal_(mean, init_std, gen);
       continue;
     }
@@ -222,32 +245,32 @@ void Qwen2Vl::init_random(uint64_t seed, double init_std) {
   }
 }
 
-std::vector<int64_t> Qwen2Vl::full_shape(const at::Tensor& local, qwen2_vl::ShardLayout layout) const {
+std::vector<int64_t> QwenVl::full_shape(const at::Tensor& local, qwen_vl::ShardLayout layout) const {
   std::vector<int64_t> shape = local.sizes().vec();
   switch (layout) {
-    case qwen2_vl::ShardLayout::kReplicated: break;
-    case qwen2_vl::ShardLayout::kRows:
-    case qwen2_vl::ShardLayout::kStackedRows: shape[0] *= parallel_.tp_size(); break;
-    case qwen2_vl::ShardLayout::kColumns: shape[1] *= parallel_.tp_size(); break;
+    case qwen_vl::ShardLayout::kReplicated: break;
+    case qwen_vl::ShardLayout::kRows:
+    case qwen_vl::ShardLayout::kStackedRows: shape[0] *= parallel_.tp_size(); break;
+    case qwen_vl::ShardLayout::kColumns: shape[1] *= parallel_.tp_size(); break;
   }
   return shape;
 }
 
-qwen2_vl::ShardLayout Qwen2Vl::shard_layout(const std::string& name) const {
-  for (const WeightSlot& slot : const_cast<Qwen2Vl*>(this)->weight_slots()) {
+qwen_vl::ShardLayout QwenVl::shard_layout(const std::string& name) const {
+  for (const WeightSlot& slot : const_cast<QwenVl*>(this)->weight_slots()) {
     if (slot.name == name) return slot.layout;
   }
   if (name == "lm_head.weight" && config_.tie_word_embeddings) return shard_layout("model.embed_tokens.weight");
-  VLMGEN_FAIL("Qwen2-VL has no weight named '{}'", name);
+  VLMGEN_FAIL("{} has no weight named '{}'", detail::family_spec(config_.family).display_name, name);
 }
 
-void Qwen2Vl::tie_lm_head() {
+void QwenVl::tie_lm_head() {
   config_.tie_word_embeddings = true;
   lm_.lm_head = lm_.embed_tokens;  // same TensorImpl: one copy of the matrix
 }
 
-std::vector<Qwen2Vl::WeightSlot> Qwen2Vl::weight_slots() {
-  using qwen2_vl::ShardLayout;
+std::vector<QwenVl::WeightSlot> QwenVl::weight_slots() {
+  using qwen_vl::ShardLayout;
   const ShardLayout replicated = ShardLayout::kReplicated;
   // The layout a weight has when its part of the model is split (kReplicated when it is not).
   const bool lm_split = parallel_.tp_size() > 1;
@@ -256,39 +279,59 @@ std::vector<Qwen2Vl::WeightSlot> Qwen2Vl::weight_slots() {
   std::vector<WeightSlot> out;
   // Column-parallel: weight and bias split by rows. Row-parallel: weight split by columns, the
   // bias (added once after the reduction) whole.
-  auto add_linear = [&](const std::string& prefix, qwen2_vl::Linear& l, ShardLayout weight_layout) {
+  auto add_linear = [&](const std::string& prefix, qwen_vl::Linear& l, ShardLayout weight_layout) {
     out.push_back({prefix + ".weight", &l.weight, weight_layout});
     if (l.bias.defined()) {
       out.push_back({prefix + ".bias", &l.bias, weight_layout == ShardLayout::kColumns ? replicated : weight_layout});
     }
   };
-  auto add_layer_norm = [&](const std::string& prefix, qwen2_vl::LayerNorm& n) {
+  auto add_layer_norm = [&](const std::string& prefix, qwen_vl::LayerNorm& n) {
     out.push_back({prefix + ".weight", &n.weight, replicated});
-    out.push_back({prefix + ".bias", &n.bias, replicated});
+    if (n.bias.defined()) out.push_back({prefix + ".bias", &n.bias, replicated});
   };
+  // A merger's two linears: column- then row-parallel.
+  auto add_merger = [&](const std::string& norm, const std::string& fc1, const std::string& fc2,
+                        qwen_vl::PatchMerger& m) {
+    add_layer_norm(norm, m.norm);
+    add_linear(fc1, m.fc1, vision(ShardLayout::kRows));
+    add_linear(fc2, m.fc2, vision(ShardLayout::kColumns));
+  };
+  const detail::QwenFamilySpec& spec = detail::family_spec(config_.family);
+  const std::string v = "visual.";
   out.push_back({"visual.patch_embed.proj.weight", &vision_.patch_embed, replicated});
-  for (size_t i = 0; i < vision_.blocks.size(); ++i) {
-    const std::string p = "visual.blocks." + std::to_string(i);
-    qwen2_vl::VisionBlock& b = vision_.blocks[i];
-    add_layer_norm(p + ".norm1", b.norm1);
-    add_layer_norm(p + ".norm2", b.norm2);
-    add_linear(p + ".attn.qkv", b.qkv, vision(ShardLayout::kStackedRows));
-    add_linear(p + ".attn.proj", b.proj, vision(ShardLayout::kColumns));
-    add_linear(p + ".mlp.fc1", b.fc1, vision(ShardLayout::kRows));
-    add_linear(p + ".mlp.fc2", b.fc2, vision(ShardLayout::kColumns));
+  if (vision_.patch_embed_bias.defined()) {
+    out.push_back({"visual.patch_embed.proj.bias", &vision_.patch_embed_bias, replicated});
   }
-  add_layer_norm("visual.merger.ln_q", vision_.ln_q);
-  add_linear("visual.merger.mlp.0", vision_.merger_fc1, vision(ShardLayout::kRows));
-  add_linear("visual.merger.mlp.2", vision_.merger_fc2, vision(ShardLayout::kColumns));
+  if (vision_.position_table.defined()) out.push_back({"visual.pos_embed.weight", &vision_.position_table, replicated});
+  for (size_t i = 0; i < vision_.blocks.size(); ++i) {
+    const std::string p = "visual.blocks." + std::to_string(i) + ".";
+    qwen_vl::VisionBlock& b = vision_.blocks[i];
+    add_layer_norm(p + "norm1", b.norm1);
+    add_layer_norm(p + "norm2", b.norm2);
+    add_linear(p + "attn.qkv", b.qkv, vision(ShardLayout::kStackedRows));
+    add_linear(p + "attn.proj", b.proj, vision(ShardLayout::kColumns));
+    add_linear(p + spec.mlp_in, b.fc1, vision(ShardLayout::kRows));
+    if (b.up.weight.defined()) add_linear(p + spec.mlp_up, b.up, vision(ShardLayout::kRows));
+    add_linear(p + spec.mlp_out, b.fc2, vision(ShardLayout::kColumns));
+  }
+  add_merger(v + spec.merger_norm, v + spec.merger_fc1, v + spec.merger_fc2, vision_.merger);
+  for (size_t i = 0; i < vision_.deepstack.size(); ++i) {
+    const std::string p = "visual.deepstack_merger_list." + std::to_string(i) + ".";
+    add_merger(p + "norm", p + "linear_fc1", p + "linear_fc2", vision_.deepstack[i]);
+  }
 
   out.push_back({"model.embed_tokens.weight", &lm_.embed_tokens, text(ShardLayout::kRows)});
   for (size_t i = 0; i < lm_.layers.size(); ++i) {
     const std::string p = "model.layers." + std::to_string(i);
-    qwen2_vl::DecoderLayer& l = lm_.layers[i];
+    qwen_vl::DecoderLayer& l = lm_.layers[i];
     add_linear(p + ".self_attn.q_proj", l.q_proj, text(ShardLayout::kRows));
     add_linear(p + ".self_attn.k_proj", l.k_proj, text(ShardLayout::kRows));
     add_linear(p + ".self_attn.v_proj", l.v_proj, text(ShardLayout::kRows));
     add_linear(p + ".self_attn.o_proj", l.o_proj, text(ShardLayout::kColumns));
+    if (l.q_norm.defined()) {
+      out.push_back({p + ".self_attn.q_norm.weight", &l.q_norm, replicated});
+      out.push_back({p + ".self_attn.k_norm.weight", &l.k_norm, replicated});
+    }
     add_linear(p + ".mlp.gate_proj", l.gate_proj, text(ShardLayout::kRows));
     add_linear(p + ".mlp.up_proj", l.up_proj, text(ShardLayout::kRows));
     add_linear(p + ".mlp.down_proj", l.down_proj, text(ShardLayout::kColumns));
@@ -300,30 +343,30 @@ std::vector<Qwen2Vl::WeightSlot> Qwen2Vl::weight_slots() {
   return out;
 }
 
-std::vector<std::pair<std::string, at::Tensor*>> Qwen2Vl::named_weights() {
+std::vector<std::pair<std::string, at::Tensor*>> QwenVl::named_weights() {
   std::vector<std::pair<std::string, at::Tensor*>> out;
   for (WeightSlot& slot : weight_slots()) out.emplace_back(std::move(slot.name), slot.tensor);
   return out;
 }
 
-std::vector<std::pair<std::string, const at::Tensor*>> Qwen2Vl::named_weights() const {
+std::vector<std::pair<std::string, const at::Tensor*>> QwenVl::named_weights() const {
   // The pointers are only handed out as const, so walking the tensors through the non-const
   // listing does not modify anything.
-  auto mutable_list = const_cast<Qwen2Vl*>(this)->named_weights();
+  auto mutable_list = const_cast<QwenVl*>(this)->named_weights();
   return {mutable_list.begin(), mutable_list.end()};
 }
 
-void Qwen2Vl::to(at::Device device) {
+void QwenVl::to(at::Device device) {
   for (auto& [name, tensor] : named_weights()) *tensor = tensor->to(device);
   if (config_.tie_word_embeddings) tie_lm_head();
 }
 
-at::Tensor Qwen2Vl::encode_images(const VisionInputs& vision) {
+at::Tensor QwenVl::encode_images(const VisionInputs& vision) {
   VLMGEN_CHECK(!vision.empty() && vision.num_images() > 0, "encode_images needs at least one image");
   return run_vision_tower(vision);
 }
 
-at::Tensor Qwen2Vl::forward(const ForwardArgs& args) {
+at::Tensor QwenVl::forward(const ForwardArgs& args) {
   const at::Tensor& ids_in = args.input_ids;
   VLMGEN_CHECK(ids_in.defined() && ids_in.dim() == 2 && ids_in.size(1) >= 1,
                "input_ids must be [B, S] with S >= 1, got {}", detail::shape_str(ids_in));
@@ -373,15 +416,18 @@ at::Tensor Qwen2Vl::forward(const ForwardArgs& args) {
           : vocab_parallel_embedding(ids, lm_.embed_tokens, parallel_.tp_rank() * lm_.embed_tokens.size(0), tp_comm_);
 
   const bool have_embeddings = args.image_embeddings.defined();
+  at::Tensor deepstack;       // [placeholders, deepstack_count, hidden] (Qwen3-VL with images in the window)
+  at::Tensor deepstack_rows;  // their flat [B * S] positions
   if (have_embeddings || !args.vision.empty()) {
     at::Tensor placeholder = ids.eq(config_.image_token_id).reshape({b * s});
     const int64_t placeholders = placeholder.sum().item<int64_t>();
     // Compare counts before running the tower: a mismatch costs nothing and leaves the counter.
     int64_t rows = 0;
     if (have_embeddings) {
-      VLMGEN_CHECK(args.image_embeddings.dim() == 2 && args.image_embeddings.size(1) == config_.hidden_size,
-                   "image_embeddings must be [rows, {}], got {}", config_.hidden_size,
-                   detail::shape_str(args.image_embeddings));
+      const int64_t width = config_.image_embedding_width();
+      VLMGEN_CHECK(args.image_embeddings.dim() == 2 && args.image_embeddings.size(1) == width,
+                   "image_embeddings must be [rows, {}] (hidden {} x (1 + {} DeepStack features)), got {}", width,
+                   config_.hidden_size, config_.deepstack_count(), detail::shape_str(args.image_embeddings));
       rows = args.image_embeddings.size(0);
     } else {
       args.vision.validate(config_.vision.spatial_merge_size);
@@ -395,84 +441,135 @@ at::Tensor Qwen2Vl::forward(const ForwardArgs& args) {
     at::Tensor rows_to_place =
         have_embeddings ? args.image_embeddings.to(dev, at::kFloat) : run_vision_tower(args.vision);
     at::Tensor where = placeholder.nonzero().squeeze(1);
-    hidden.view({b * s, config_.hidden_size}).index_copy_(0, where, rows_to_place);
+    const int64_t hs = config_.hidden_size;
+    hidden.view({b * s, hs}).index_copy_(0, where, rows_to_place.narrow(1, 0, hs));
+    if (config_.deepstack_count() > 0) {
+      deepstack =
+          rows_to_place.narrow(1, hs, hs * config_.deepstack_count()).reshape({-1, config_.deepstack_count(), hs});
+      deepstack_rows = where;
+    }
   }
   // Without vision, placeholder tokens embed as ordinary tokens: the legacy step-zero behaviour
   // that the replay tests reproduce on purpose.
 
-  return run_language_model(hidden, positions, mask, start, args.context, args.last_column_logits);
+  return run_language_model(hidden, positions, mask, start, args.context, args.last_column_logits, deepstack,
+                            deepstack_rows);
 }
 
-RopePlan Qwen2Vl::plan_positions(const at::Tensor& input_ids, const at::Tensor& attention_mask,
-                                 const VisionInputs& vision) const {
+RopePlan QwenVl::plan_positions(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                const VisionInputs& vision) const {
   VLMGEN_CHECK(input_ids.defined() && input_ids.dim() == 2, "input_ids must be [B, L], got {}",
                detail::shape_str(input_ids));
   VLMGEN_CHECK(attention_mask.defined() && attention_mask.sizes() == input_ids.sizes(),
                "attention_mask {} must match input_ids {}", detail::shape_str(attention_mask),
                detail::shape_str(input_ids));
+  std::vector<ImageSpan> spans;
+  if (!vision.empty()) {
+    vision.validate(config_.vision.spatial_merge_size);
+    // The real tokens of each row; spans in their indices.
+    const int64_t b = input_ids.size(0);
+    const int64_t l = input_ids.size(1);
+    const std::vector<int64_t> ids = detail::to_int64_vector(input_ids);
+    const std::vector<int64_t> mask = detail::to_int64_vector(attention_mask);
+    std::vector<std::vector<int64_t>> rows(static_cast<size_t>(b));
+    for (int64_t r = 0; r < b; ++r) {
+      for (int64_t c = 0; c < l; ++c) {
+        if (mask[r * l + c] != 0) rows[r].push_back(ids[r * l + c]);
+      }
+    }
+    spans = find_image_spans(rows, config_.image_token_id, placeholder_counts(vision));
+  }
+  return place_images(input_ids, attention_mask, vision, spans, /*padded=*/false);
+}
+
+RopePlan QwenVl::plan_positions_with_spans(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                           const VisionInputs& vision, const std::vector<ImageSpan>& spans) const {
+  VLMGEN_CHECK(input_ids.defined() && input_ids.dim() == 2, "input_ids must be [B, L], got {}",
+               detail::shape_str(input_ids));
+  VLMGEN_CHECK(attention_mask.defined() && attention_mask.sizes() == input_ids.sizes(),
+               "attention_mask {} must match input_ids {}", detail::shape_str(attention_mask),
+               detail::shape_str(input_ids));
+  if (!vision.empty()) vision.validate(config_.vision.spatial_merge_size);
+  return place_images(input_ids, attention_mask, vision, spans, /*padded=*/true);
+}
+
+RopePlan QwenVl::place_images(const at::Tensor& input_ids, const at::Tensor& attention_mask, const VisionInputs& vision,
+                              const std::vector<ImageSpan>& spans, bool padded) const {
   const int64_t b = input_ids.size(0);
   const int64_t l = input_ids.size(1);
   const std::vector<int64_t> ids = detail::to_int64_vector(input_ids);
   const std::vector<int64_t> mask = detail::to_int64_vector(attention_mask);
   std::vector<std::array<int64_t, 3>> grids;
-  if (!vision.empty()) {
-    vision.validate(config_.vision.spatial_merge_size);
-    grids = vision.grids();
-  }
+  if (!vision.empty()) grids = vision.grids();
+  VLMGEN_CHECK(grids.empty() ? spans.empty() : spans.size() == grids.size(),
+               "the prompt has placeholder spans for {} images but the vision bundle has {}", spans.size(),
+               grids.size());
   const int64_t m = config_.vision.spatial_merge_size;
-  const int64_t image_token = config_.image_token_id;
+  const bool shared_time = detail::family_spec(config_.family).image_frames_share_time;
 
   at::Tensor positions = at::ones({3, b, l}, at::kLong);  // padding columns keep 1, as HF does
   int64_t* pos = positions.data_ptr<int64_t>();
   auto set = [&](int64_t axis, int64_t row, int64_t col, int64_t value) { pos[(axis * b + row) * l + col] = value; };
   std::vector<int64_t> delta(static_cast<size_t>(b), 0);
-  size_t next_image = 0;
+  size_t next_span = 0;
 
   for (int64_t r = 0; r < b; ++r) {
-    std::vector<int64_t> cols;
+    std::vector<int64_t> cols;                                 // real columns of row r
+    std::vector<int64_t> real_of(static_cast<size_t>(l), -1);  // padded column -> real index
     for (int64_t c = 0; c < l; ++c) {
-      if (mask[r * l + c] != 0) cols.push_back(c);
+      if (mask[r * l + c] == 0) continue;
+      real_of[c] = static_cast<int64_t>(cols.size());
+      cols.push_back(c);
     }
     const int64_t n = static_cast<int64_t>(cols.size());
     int64_t next = 0;  // first position after everything placed so far (max + 1)
     int64_t i = 0;
     while (i < n) {
-      if (ids[r * l + cols[i]] != image_token || grids.empty()) {
+      int64_t span_start = -1;
+      if (next_span < spans.size() && spans[next_span].row == r) {
+        const int64_t begin = spans[next_span].begin;
+        span_start = padded ? (begin >= 0 && begin < l ? real_of[begin] : -2) : begin;
+        VLMGEN_CHECK(span_start >= i, "image span {} (row {}, column {}) is not at a real column after column {}",
+                     next_span, r, begin, i == 0 ? -1 : cols[i - 1]);
+      }
+      if (span_start != i) {
         for (int64_t a = 0; a < 3; ++a) set(a, r, cols[i], next);
         ++next;
         ++i;
         continue;
       }
-      VLMGEN_CHECK(next_image < grids.size(),
-                   "row {} has an image placeholder run at column {} but the bundle's {} images are already used", r,
-                   cols[i], grids.size());
-      const auto [t, h, w] = grids[next_image];
+      const ImageSpan& span = spans[next_span];
+      VLMGEN_CHECK(span.image >= 0 && span.image < static_cast<int64_t>(grids.size()),
+                   "image span {} names image {} of a bundle of {}", next_span, span.image, grids.size());
+      const auto [t, h, w] = grids[span.image];
       const int64_t gh = h / m;
       const int64_t gw = w / m;
       const int64_t count = t * gh * gw;
       int64_t run = 0;
-      while (i + run < n && run < count && ids[r * l + cols[i + run]] == image_token) ++run;
-      VLMGEN_CHECK(run == count,
+      while (i + run < n && run < count && ids[r * l + cols[i + run]] == config_.image_token_id) ++run;
+      VLMGEN_CHECK(run == count && span.size() == count,
                    "image {} (grid {}x{}x{}, merge {}) needs {} placeholder tokens at row {} column {}, found {}",
-                   next_image, t, h, w, m, count, r, cols[i], run);
+                   span.image, t, h, w, m, count, r, cols[i], run);
+      const int64_t time_step = shared_time ? 0 : 1;
       int64_t k = i;
       for (int64_t ti = 0; ti < t; ++ti) {
         for (int64_t hi = 0; hi < gh; ++hi) {
           for (int64_t wi = 0; wi < gw; ++wi, ++k) {
-            set(0, r, cols[k], next + ti);
+            set(0, r, cols[k], next + ti * time_step);
             set(1, r, cols[k], next + hi);
             set(2, r, cols[k], next + wi);
           }
         }
       }
-      next += std::max({t, gh, gw});
+      next += std::max({shared_time ? 1 : t, gh, gw});
       i += count;
-      ++next_image;
+      ++next_span;
     }
     delta[r] = next - n;
   }
-  VLMGEN_CHECK(grids.empty() || next_image == grids.size(),
-               "the prompt has placeholder runs for {} images but the vision bundle has {}", next_image, grids.size());
+  VLMGEN_CHECK(next_span == spans.size(), "image span {} (row {}, column {}) lies outside the real tokens of its row",
+               next_span, next_span < spans.size() ? spans[next_span].row : -1,
+               next_span < spans.size() ? spans[next_span].begin : -1);
   return {positions, delta};
 }
 

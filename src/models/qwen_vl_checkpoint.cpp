@@ -8,12 +8,12 @@
 #include <utility>
 #include <vector>
 
-#include "qwen2_vl_ops.h"
+#include "qwen_vl_ops.h"
 #include "vlmgen/detail/tensor_utils.h"
 #include "vlmgen/distributed/communicator.h"
 #include "vlmgen/error.h"
 #include "vlmgen/io/safetensors.h"
-#include "vlmgen/models/qwen2_vl.h"
+#include "vlmgen/models/qwen_vl.h"
 
 namespace vlmgen {
 namespace {
@@ -32,18 +32,18 @@ std::vector<std::string> name_candidates(const std::string& name) {
 /// This rank's slice of tensor `name` ([full_shape], already checked) under `layout`, read from
 /// the mapping without touching the other ranks' bytes.
 at::Tensor read_slice(const SafetensorsCheckpoint& checkpoint, const std::string& name,
-                      const std::vector<int64_t>& full_shape, qwen2_vl::ShardLayout layout, int64_t rank, int64_t tp) {
+                      const std::vector<int64_t>& full_shape, qwen_vl::ShardLayout layout, int64_t rank, int64_t tp) {
   switch (layout) {
-    case qwen2_vl::ShardLayout::kReplicated: return checkpoint.tensor(name);
-    case qwen2_vl::ShardLayout::kRows: {
+    case qwen_vl::ShardLayout::kReplicated: return checkpoint.tensor(name);
+    case qwen_vl::ShardLayout::kRows: {
       const int64_t rows = full_shape[0] / tp;
       return checkpoint.narrow(name, 0, rank * rows, rows);
     }
-    case qwen2_vl::ShardLayout::kColumns: {
+    case qwen_vl::ShardLayout::kColumns: {
       const int64_t cols = full_shape[1] / tp;
       return checkpoint.narrow(name, 1, rank * cols, cols);
     }
-    case qwen2_vl::ShardLayout::kStackedRows: {
+    case qwen_vl::ShardLayout::kStackedRows: {
       const int64_t third = full_shape[0] / 3;
       const int64_t rows = third / tp;
       std::vector<at::Tensor> parts;
@@ -56,13 +56,13 @@ at::Tensor read_slice(const SafetensorsCheckpoint& checkpoint, const std::string
 
 }  // namespace
 
-std::unique_ptr<Qwen2Vl> Qwen2Vl::from_checkpoint(const std::string& dir, const ParallelContext& parallel) {
+std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const ParallelContext& parallel) {
   const std::filesystem::path root(dir);
   QwenVlConfig config = QwenVlConfig::from_file((root / "config.json").string());
   // Bounds every size before any arithmetic on it, and a TP size that does not divide the heads
   // fails right away: both before the (possibly large) files are mapped.
   config.validate();
-  Qwen2Vl::check_parallel_config(config, parallel);
+  QwenVl::check_parallel_config(config, parallel);
   SafetensorsCheckpoint checkpoint(dir);
   // Some tied checkpoints leave tie_word_embeddings unset but ship no head: use the embedding.
   if (!checkpoint.contains("lm_head.weight")) config.tie_word_embeddings = true;
@@ -73,7 +73,7 @@ std::unique_ptr<Qwen2Vl> Qwen2Vl::from_checkpoint(const std::string& dir, const 
                "checkpoint {}: config.json describes {} weights, at least {} bytes as F16/BF16, but its safetensors "
                "files hold only {} bytes of tensor data",
                dir, parameters, parameters * 2, checkpoint.data_bytes());
-  std::unique_ptr<Qwen2Vl> model(new Qwen2Vl(config, Uninitialized{}, parallel));
+  std::unique_ptr<QwenVl> model(new QwenVl(config, Uninitialized{}, parallel));
 
   std::vector<WeightSlot> weights = model->weight_slots();
   std::vector<std::string> sources(weights.size());
@@ -107,10 +107,10 @@ std::unique_ptr<Qwen2Vl> Qwen2Vl::from_checkpoint(const std::string& dir, const 
   return model;
 }
 
-void Qwen2Vl::save_checkpoint(const std::string& dir) const {
+void QwenVl::save_checkpoint(const std::string& dir) const {
   // Under TP every rank takes part in gathering each weight; rank 0 writes.
   std::map<std::string, at::Tensor> tensors;
-  for (const WeightSlot& slot : const_cast<Qwen2Vl*>(this)->weight_slots()) {
+  for (const WeightSlot& slot : const_cast<QwenVl*>(this)->weight_slots()) {
     at::Tensor full = tp_comm_ == nullptr ? *slot.tensor : detail::gather_shard(*slot.tensor, slot.layout, *tp_comm_);
     tensors.emplace(slot.name, full.to(at::kCPU).contiguous());
   }
@@ -132,7 +132,7 @@ void Qwen2Vl::save_checkpoint(const std::string& dir) const {
   if (!failure.empty()) throw Error(failure);
 }
 
-void Qwen2Vl::write_checkpoint(const std::string& dir, const std::map<std::string, at::Tensor>& tensors) const {
+void QwenVl::write_checkpoint(const std::string& dir, const std::map<std::string, at::Tensor>& tensors) const {
   const std::filesystem::path root(dir);
   std::error_code ec;
   std::filesystem::create_directories(root, ec);

@@ -6,32 +6,37 @@
 #include <utility>
 #include <vector>
 
-#include "qwen2_vl_ops.h"
+#include "qwen_vl_ops.h"
 #include "vlmgen/inference_context.h"
-#include "vlmgen/models/qwen2_vl.h"
+#include "vlmgen/models/qwen_vl.h"
 
 namespace vlmgen {
 namespace {
 
 /// cos and sin of M-RoPE for positions [3, B, S]: [B, 1, S, head_dim] each. Frequency j of the
-/// rotary half takes its angle from the axis (t, h or w) whose mrope_section chunk holds j; the
-/// same choice applies to both halves, since HF repeats the sections over cat(freqs, freqs).
+/// rotary half takes its angle from one axis (t, h or w): chunked (Qwen2-VL, Qwen2.5-VL), the
+/// axis whose mrope_section chunk holds j; interleaved (Qwen3-VL), h for j % 3 == 1 below
+/// 3 * section[1], w for j % 3 == 2 below 3 * section[2], t otherwise. The same choice applies
+/// to both halves, since HF repeats the frequencies as cat(freqs, freqs).
 std::pair<at::Tensor, at::Tensor> mrope_cos_sin(const at::Tensor& positions, const QwenVlConfig& c) {
   const int64_t half = c.head_dim / 2;
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(positions.device());
   at::Tensor exponent = at::arange(0, c.head_dim, 2, opts) / static_cast<double>(c.head_dim);
   at::Tensor inv_freq = at::pow(c.rope_theta, exponent).reciprocal();     // [head_dim / 2]
   at::Tensor angles = positions.to(at::kFloat).unsqueeze(-1) * inv_freq;  // [3, B, S, head_dim / 2]
-  std::vector<at::Tensor> chunks;
-  int64_t offset = 0;
-  for (int64_t axis = 0; axis < 3; ++axis) {
-    const int64_t width = c.mrope_section[axis];
-    if (width > 0) chunks.push_back(angles[axis].narrow(-1, offset, width));
-    offset += width;
+  std::vector<int64_t> axis_of(static_cast<size_t>(half), 0);
+  for (int64_t j = 0; j < half; ++j) {
+    if (c.mrope_interleaved) {
+      if (j % 3 == 1 && j < 3 * c.mrope_section[1]) axis_of[j] = 1;
+      if (j % 3 == 2 && j < 3 * c.mrope_section[2]) axis_of[j] = 2;
+    } else {
+      axis_of[j] = j < c.mrope_section[0] ? 0 : j < c.mrope_section[0] + c.mrope_section[1] ? 1 : 2;
+    }
   }
-  TORCH_INTERNAL_ASSERT(offset == half);
-  at::Tensor chosen = at::cat(chunks, -1);         // [B, S, head_dim / 2]
-  at::Tensor emb = at::cat({chosen, chosen}, -1);  // [B, S, head_dim]
+  at::Tensor index = at::tensor(axis_of, at::kLong).to(positions.device());
+  index = index.view({1, 1, 1, half}).expand({1, angles.size(1), angles.size(2), half});
+  at::Tensor chosen = angles.gather(0, index).squeeze(0);  // [B, S, head_dim / 2]
+  at::Tensor emb = at::cat({chosen, chosen}, -1);          // [B, S, head_dim]
   return {emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)};
 }
 
@@ -45,8 +50,9 @@ at::Tensor pad_sequence(const at::Tensor& x, int64_t length) {
 
 }  // namespace
 
-at::Tensor Qwen2Vl::run_language_model(at::Tensor x, const at::Tensor& position_ids, const at::Tensor& attention_mask,
-                                       int64_t window_start, InferenceContext* context, bool last_column_only) const {
+at::Tensor QwenVl::run_language_model(at::Tensor x, const at::Tensor& position_ids, const at::Tensor& attention_mask,
+                                      int64_t window_start, InferenceContext* context, bool last_column_only,
+                                      const at::Tensor& deepstack, const at::Tensor& deepstack_rows) const {
   const QwenVlConfig& c = config_;
   const int64_t b = x.size(0);
   const int64_t s = x.size(1);
@@ -89,17 +95,36 @@ at::Tensor Qwen2Vl::run_language_model(at::Tensor x, const at::Tensor& position_
   }
   auto whole = [&](const at::Tensor& local) { return split ? gather_sequence(local, s, comm) : local; };
   // Row-parallel output of a block, back in the residual stream's layout.
-  auto reduce = [&](const at::Tensor& in, const qwen2_vl::Linear& linear) {
+  auto reduce = [&](const at::Tensor& in, const qwen_vl::Linear& linear) {
     if (!split) return detail::apply_row_parallel(in, linear, comm);
     return detail::apply_row_parallel(pad_sequence(in, padded), linear, comm,
                                       RowParallelReduce::kReduceScatterSequence);
   };
 
+  // DeepStack (Qwen3-VL): feature k of every image token in the window is added to the residual
+  // stream after layer k. Under SP the additions are laid out like the stream and sliced the same.
+  std::vector<at::Tensor> deepstack_add;
+  if (deepstack.defined()) {
+    const int64_t hs = x.size(2);
+    for (int64_t k = 0; k < deepstack.size(1); ++k) {
+      at::Tensor add = at::zeros({b * s, hs}, x.options());
+      add.index_copy_(0, deepstack_rows, deepstack.select(1, k));
+      add = add.view({b, s, hs});
+      deepstack_add.push_back(split ? scatter_sequence(add, comm).local : add);
+    }
+  }
+
   for (size_t layer = 0; layer < lm_.layers.size(); ++layer) {
-    const qwen2_vl::DecoderLayer& w = lm_.layers[layer];
+    const qwen_vl::DecoderLayer& w = lm_.layers[layer];
     at::Tensor h = whole(detail::apply_rms_norm(x, w.input_layernorm, c.rms_norm_eps));
-    at::Tensor q = detail::apply_linear(h, w.q_proj).view({b, s, heads, head_dim}).transpose(1, 2);
-    at::Tensor k = detail::apply_linear(h, w.k_proj).view({b, s, kv_heads, head_dim}).transpose(1, 2);
+    at::Tensor q = detail::apply_linear(h, w.q_proj).view({b, s, heads, head_dim});
+    at::Tensor k = detail::apply_linear(h, w.k_proj).view({b, s, kv_heads, head_dim});
+    if (w.q_norm.defined()) {  // Qwen3: RMSNorm over each head before the rotary
+      q = detail::apply_rms_norm(q, w.q_norm, c.rms_norm_eps);
+      k = detail::apply_rms_norm(k, w.k_norm, c.rms_norm_eps);
+    }
+    q = q.transpose(1, 2);
+    k = k.transpose(1, 2);
     at::Tensor v = detail::apply_linear(h, w.v_proj).view({b, s, kv_heads, head_dim}).transpose(1, 2);
     q = detail::apply_rotary(q, cos, sin);
     k = detail::apply_rotary(k, cos, sin);
@@ -120,6 +145,7 @@ at::Tensor Qwen2Vl::run_language_model(at::Tensor x, const at::Tensor& position_
     h = whole(detail::apply_rms_norm(x, w.post_attention_layernorm, c.rms_norm_eps));
     at::Tensor gated = at::silu(detail::apply_linear(h, w.gate_proj)) * detail::apply_linear(h, w.up_proj);
     x = x + reduce(gated, w.down_proj);
+    if (layer < deepstack_add.size()) x = x + deepstack_add[layer];
   }
   x = whole(detail::apply_rms_norm(x, lm_.norm, c.rms_norm_eps));
   if (last_column_only) x = x.narrow(1, x.size(1) - 1, 1);

@@ -9,29 +9,29 @@
 #include "vlmgen/detail/tensor_utils.h"
 #include "vlmgen/distributed/communicator.h"
 #include "vlmgen/distributed/tensor_parallel.h"
-#include "vlmgen/models/qwen2_vl.h"
+#include "vlmgen/models/qwen_vl.h"
 
 namespace vlmgen::detail {
 
-inline at::Tensor apply_linear(const at::Tensor& x, const qwen2_vl::Linear& linear) {
+inline at::Tensor apply_linear(const at::Tensor& x, const qwen_vl::Linear& linear) {
   return detail::linear(x, linear.weight, linear.bias);
 }
 
 /// A row-parallel linear: this rank's partial product, all-reduced (or reduce-scattered along
 /// the sequence), the bias added once after. Without a group, the plain linear.
-inline at::Tensor apply_row_parallel(const at::Tensor& x, const qwen2_vl::Linear& linear, Communicator* comm,
+inline at::Tensor apply_row_parallel(const at::Tensor& x, const qwen_vl::Linear& linear, Communicator* comm,
                                      RowParallelReduce reduce = RowParallelReduce::kAllReduce) {
   if (comm == nullptr) return apply_linear(x, linear);
   return row_parallel_linear(x, linear.weight, linear.bias, comm, reduce);
 }
 
 /// Rank `rank`'s slice of the full weight `full` under `layout`, contiguous.
-inline at::Tensor take_shard(const at::Tensor& full, qwen2_vl::ShardLayout layout, int64_t rank, int64_t tp) {
+inline at::Tensor take_shard(const at::Tensor& full, qwen_vl::ShardLayout layout, int64_t rank, int64_t tp) {
   switch (layout) {
-    case qwen2_vl::ShardLayout::kReplicated: return full;
-    case qwen2_vl::ShardLayout::kRows: return shard_rows(full, rank, tp);
-    case qwen2_vl::ShardLayout::kColumns: return shard_cols(full, rank, tp);
-    case qwen2_vl::ShardLayout::kStackedRows: {
+    case qwen_vl::ShardLayout::kReplicated: return full;
+    case qwen_vl::ShardLayout::kRows: return shard_rows(full, rank, tp);
+    case qwen_vl::ShardLayout::kColumns: return shard_cols(full, rank, tp);
+    case qwen_vl::ShardLayout::kStackedRows: {
       std::vector<at::Tensor> parts;
       for (const at::Tensor& third : full.chunk(3, 0)) parts.push_back(shard_rows(third, rank, tp));
       return at::cat(parts, 0);
@@ -41,12 +41,12 @@ inline at::Tensor take_shard(const at::Tensor& full, qwen2_vl::ShardLayout layou
 }
 
 /// The inverse of take_shard over the group: every rank gets the full weight.
-inline at::Tensor gather_shard(const at::Tensor& local, qwen2_vl::ShardLayout layout, Communicator& comm) {
+inline at::Tensor gather_shard(const at::Tensor& local, qwen_vl::ShardLayout layout, Communicator& comm) {
   switch (layout) {
-    case qwen2_vl::ShardLayout::kReplicated: return local;
-    case qwen2_vl::ShardLayout::kRows: return comm.all_gather(local, 0);
-    case qwen2_vl::ShardLayout::kColumns: return comm.all_gather(local, 1);
-    case qwen2_vl::ShardLayout::kStackedRows: {
+    case qwen_vl::ShardLayout::kReplicated: return local;
+    case qwen_vl::ShardLayout::kRows: return comm.all_gather(local, 0);
+    case qwen_vl::ShardLayout::kColumns: return comm.all_gather(local, 1);
+    case qwen_vl::ShardLayout::kStackedRows: {
       std::vector<at::Tensor> parts;
       for (const at::Tensor& third : local.chunk(3, 0)) parts.push_back(comm.all_gather(third, 0));
       return at::cat(parts, 0);
@@ -55,7 +55,7 @@ inline at::Tensor gather_shard(const at::Tensor& local, qwen2_vl::ShardLayout la
   return local;
 }
 
-inline at::Tensor apply_layer_norm(const at::Tensor& x, const qwen2_vl::LayerNorm& norm, double eps) {
+inline at::Tensor apply_layer_norm(const at::Tensor& x, const qwen_vl::LayerNorm& norm, double eps) {
   return at::layer_norm(x, {x.size(-1)}, norm.weight, norm.bias, eps);
 }
 
