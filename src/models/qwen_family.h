@@ -32,10 +32,17 @@ struct QwenFamilySpec {
   const char* merger_fc1;
   const char* merger_fc2;
 
+  // config.json's names of the vision block width (QwenVisionConfig::embed_dim) and the
+  // merger's output (QwenVisionConfig::hidden_size), for messages.
+  const char* vision_width_field;
+  const char* vision_out_field;
+
   // Language model.
   bool image_frames_share_time;  // M-RoPE: every frame of an image at time 0 (Qwen2.5-VL's get_rope_index)
-  bool qwen3_text;               // q/k RMSNorm per head, attention_bias and mrope_interleaved read (default false/true)
+  bool qwen3_text;  // Qwen3 LM: q/k RMSNorm per head, attention_bias read (default false), M-RoPE interleaved
   double default_rope_theta;
+  double default_rms_norm_eps;
+  int64_t default_max_position_embeddings;
 
   // config.json.
   void (*read_vision)(const FieldReader& vision, QwenVisionConfig& out);

@@ -42,9 +42,10 @@ void check_config(const QwenVlConfig& c) {
   VLMGEN_CHECK(c.image_token_id >= 0 && c.image_token_id < c.vocab_size,
                "image_token_id {} is outside the vocabulary of {}", c.image_token_id, c.vocab_size);
   const QwenVisionConfig& v = c.vision;
+  const detail::QwenFamilySpec& spec = detail::family_spec(c.family);
   VLMGEN_CHECK(v.depth >= 0 && v.embed_dim >= 1 && v.num_heads >= 1 && v.embed_dim % v.num_heads == 0,
-               "vision embed_dim {} must be a positive multiple of vision num_heads {} (depth {})", v.embed_dim,
-               v.num_heads, v.depth);
+               "{} {} must be a positive multiple of vision num_heads {} (depth {})", spec.vision_width_field,
+               v.embed_dim, v.num_heads, v.depth);
   // The 2-D rotary splits half of each head between h and w, and rotate_half halves that again.
   VLMGEN_CHECK((v.embed_dim / v.num_heads) % 4 == 0,
                "vision head_dim {} (embed_dim {} / num_heads {}) must be a multiple of 4", v.embed_dim / v.num_heads,
@@ -54,9 +55,8 @@ void check_config(const QwenVlConfig& c) {
                "vision in_channels {}, patch_size {}, temporal_patch_size {}, spatial_merge_size {} and mlp_ratio {} "
                "must be positive",
                v.in_channels, v.patch_size, v.temporal_patch_size, v.spatial_merge_size, v.mlp_ratio);
-  VLMGEN_CHECK(v.hidden_size == c.hidden_size,
-               "vision_config.hidden_size {} (the merger's output) must equal the LM hidden_size {}", v.hidden_size,
-               c.hidden_size);
+  VLMGEN_CHECK(v.hidden_size == c.hidden_size, "{} {} (the merger's output) must equal the LM hidden_size {}",
+               spec.vision_out_field, v.hidden_size, c.hidden_size);
   const bool known_act = v.hidden_act == "quick_gelu" || v.hidden_act == "gelu" || v.hidden_act == "silu" ||
                          v.hidden_act == "gelu_pytorch_tanh";
   VLMGEN_CHECK(known_act, "vision hidden_act \"{}\" is not supported (quick_gelu, gelu, gelu_pytorch_tanh or silu)",
@@ -374,6 +374,7 @@ at::Tensor QwenVl::forward(const ForwardArgs& args) {
                c10::toString(ids_in.scalar_type()));
   const int64_t b = ids_in.size(0);
   const int64_t s = ids_in.size(1);
+  VLMGEN_CHECK(b >= 1, "input_ids must have at least one row, got {}", detail::shape_str(ids_in));
   const int64_t start = args.window_start;
   VLMGEN_CHECK(start >= 0, "window_start must be >= 0, got {}", start);
   const at::Device dev = device();
@@ -396,6 +397,9 @@ at::Tensor QwenVl::forward(const ForwardArgs& args) {
 
   VLMGEN_CHECK(args.position_ids.defined(), "position_ids are required ([B, S] or [3, B, S])");
   at::Tensor positions = args.position_ids.to(dev, at::kLong);
+  VLMGEN_CHECK(positions.dim() != 2 || (positions.size(0) == b && positions.size(1) == s),
+               "position_ids must be [{}, {}] or [3, {}, {}], got {}", b, s, b, s,
+               detail::shape_str(args.position_ids));
   if (positions.dim() == 2) positions = positions.unsqueeze(0).expand({3, b, s});
   VLMGEN_CHECK(positions.dim() == 3 && positions.size(0) == 3 && positions.size(1) == b && positions.size(2) == s,
                "position_ids must be [{}, {}] or [3, {}, {}], got {}", b, s, b, s,
@@ -548,8 +552,9 @@ RopePlan QwenVl::place_images(const at::Tensor& input_ids, const at::Tensor& att
       int64_t run = 0;
       while (i + run < n && run < count && ids[r * l + cols[i + run]] == config_.image_token_id) ++run;
       VLMGEN_CHECK(run == count && span.size() == count,
-                   "image {} (grid {}x{}x{}, merge {}) needs {} placeholder tokens at row {} column {}, found {}",
-                   span.image, t, h, w, m, count, r, cols[i], run);
+                   "image {} (grid {}x{}x{}, merge {}) needs {} placeholder tokens at row {} column {}, found {} "
+                   "(its span claims {})",
+                   span.image, t, h, w, m, count, r, cols[i], run, span.size());
       const int64_t time_step = shared_time ? 0 : 1;
       int64_t k = i;
       for (int64_t ti = 0; ti < t; ++ti) {

@@ -99,7 +99,7 @@ QwenFamily detect_family(const Json& root) {
 
 struct RopeFields {
   std::vector<int64_t> mrope_section;
-  std::optional<bool> interleaved;
+  std::optional<double> theta;
 };
 
 RopeFields parse_rope(const FieldReader& text) {
@@ -128,10 +128,8 @@ RopeFields parse_rope(const FieldReader& text) {
   for (size_t i = 0; i < section->size(); ++i) {
     out.mrope_section.push_back(as_int((*section)[i], fmt::format("{}[{}]", field, i)));
   }
-  auto interleaved = rope->find("mrope_interleaved");
-  if (interleaved != rope->end() && !interleaved->is_null()) {
-    out.interleaved = detail::as_bool(*interleaved, rope_field + ".mrope_interleaved");
-  }
+  auto theta = rope->find("rope_theta");
+  if (theta != rope->end() && !theta->is_null()) out.theta = detail::as_double(*theta, rope_field + ".rope_theta");
   return out;
 }
 
@@ -176,15 +174,17 @@ QwenVlConfig QwenVlConfig::from_json(const std::string& json_text) {
                  c.hidden_size, c.num_attention_heads);
     c.head_dim = c.hidden_size / c.num_attention_heads;
   }
-  c.rms_norm_eps = text.double_or("rms_norm_eps", 1e-5);
+  c.rms_norm_eps = text.double_or("rms_norm_eps", spec.default_rms_norm_eps);
   c.rope_theta = text.double_or("rope_theta", spec.default_rope_theta);
-  c.max_position_embeddings = text.int_or("max_position_embeddings", 32768);
+  c.max_position_embeddings = text.int_or("max_position_embeddings", spec.default_max_position_embeddings);
   c.tie_word_embeddings = text.bool_or("tie_word_embeddings", false);
   RopeFields rope = parse_rope(text);
   c.mrope_section = rope.mrope_section;
-  // Qwen3-VL always interleaves (HF applies it unconditionally); a config may say so for any family.
-  c.mrope_interleaved = rope.interleaved.value_or(spec.qwen3_text);
-  c.attention_bias = text.bool_or("attention_bias", !spec.qwen3_text);
+  if (rope.theta) c.rope_theta = *rope.theta;  // transformers >= 5 keeps it in rope_parameters
+  // As HF does: Qwen3-VL always interleaves M-RoPE and reads attention_bias; Qwen2-VL and
+  // Qwen2.5-VL always use chunked sections and q/k/v biases, whatever the file says.
+  c.mrope_interleaved = spec.qwen3_text;
+  c.attention_bias = spec.qwen3_text ? text.bool_or("attention_bias", false) : true;
   c.qk_norm = spec.qwen3_text;
 
   c.image_token_id = tokens.int_or("image_token_id", 151655);
@@ -236,6 +236,7 @@ std::string QwenVlConfig::to_json() const {
   root["model_type"] = spec.model_type;
   if (spec.nested_text_config) {
     text["model_type"] = std::string(spec.model_type) + "_text";
+    text["tie_word_embeddings"] = tie_word_embeddings;  // HF reads it here too
     root["text_config"] = std::move(text);
   } else {
     root.update(text);

@@ -15,6 +15,8 @@ namespace vlmgen {
 namespace {
 
 using Limits = QwenVlConfigLimits;
+
+const detail::QwenFamilySpec& family_spec_of(const QwenVlConfig& c) { return detail::family_spec(c.family); }
 using detail::checked_add;
 using detail::checked_mul;
 
@@ -98,14 +100,14 @@ void check_size_bounds(const QwenVlConfig& c) {
       {"vocab_size", c.vocab_size, Limits::kMaxVocabSize},
       {"max_position_embeddings", c.max_position_embeddings, Limits::kMaxPositionEmbeddings},
       {"vision_config.depth", v.depth, Limits::kMaxLayers},
-      {"vision_config.embed_dim", v.embed_dim, Limits::kMaxHiddenSize},
+      {family_spec_of(c).vision_width_field, v.embed_dim, Limits::kMaxHiddenSize},
       {"vision_config.num_heads", v.num_heads, Limits::kMaxHeads},
       {"vision_config.mlp_ratio", v.mlp_ratio, Limits::kMaxMlpRatio},
       {"vision_config.in_channels", v.in_channels, Limits::kMaxInChannels},
       {"vision_config.patch_size", v.patch_size, Limits::kMaxPatchSize},
       {"vision_config.temporal_patch_size", v.temporal_patch_size, Limits::kMaxTemporalPatchSize},
       {"vision_config.spatial_merge_size", v.spatial_merge_size, Limits::kMaxSpatialMergeSize},
-      {"vision_config.hidden_size", v.hidden_size, Limits::kMaxHiddenSize},
+      {family_spec_of(c).vision_out_field, v.hidden_size, Limits::kMaxHiddenSize},
   };
   const detail::QwenFamilySpec& spec = detail::family_spec(c.family);
   if (spec.family != QwenFamily::kQwen2Vl) {
@@ -210,11 +212,11 @@ void QwenVlConfig::validate() const {
   }
   VLMGEN_CHECK(section_sum == head_dim / 2, "config mrope_section {} sums to {}, expected head_dim / 2 = {}",
                mrope_section, section_sum, head_dim / 2);
-  VLMGEN_CHECK(vision.embed_dim % vision.num_heads == 0,
-               "config vision embed_dim {} is not divisible by vision num_heads {}", vision.embed_dim,
-               vision.num_heads);
-  VLMGEN_CHECK(vision.hidden_size == hidden_size,
-               "config vision_config.hidden_size {} must equal the LM hidden_size {}", vision.hidden_size, hidden_size);
+  const detail::QwenFamilySpec& spec = detail::family_spec(family);
+  VLMGEN_CHECK(vision.embed_dim % vision.num_heads == 0, "config {} {} is not divisible by vision_config.num_heads {}",
+               spec.vision_width_field, vision.embed_dim, vision.num_heads);
+  VLMGEN_CHECK(vision.hidden_size == hidden_size, "config {} {} (the merger's output) must equal the LM hidden_size {}",
+               spec.vision_out_field, vision.hidden_size, hidden_size);
   check_family_fields(*this);
   const std::pair<const char*, int64_t> token_ids[] = {
       {"image_token_id", image_token_id},

@@ -228,6 +228,29 @@ TEST_P(QwenFamilyTest, PlantedArchitectureBugsMissTheGoldenNumbersByFar) {
   }
 }
 
+TEST_P(QwenFamilyTest, PositionsFromTheGeneratorsSpansEqualPlanPositionsAndBadSpansAreRefused) {
+  // The generator hands its spans (padded columns) to the model; the model must place the
+  // images exactly where its own search would.
+  const auto rows = batch_rows();
+  Batch batch = left_pad(rows);
+  const VisionInputs vision = batch_vision();
+  const std::vector<ImageSpan> spans = find_image_spans(rows, kImage, model_.placeholder_counts(vision), batch.pads);
+  ASSERT_EQ(spans.size(), 3u);
+  RopePlan own = model_.plan_positions(batch.ids, batch.mask, vision);
+  RopePlan given = model_.plan_positions_with_spans(batch.ids, batch.mask, vision, spans);
+  EXPECT_TRUE(own.prompt_positions.equal(given.prompt_positions));
+  EXPECT_EQ(own.delta, given.delta);
+  std::vector<ImageSpan> on_padding = spans;
+  on_padding[2].begin = 0;  // row 1 is left-padded: column 0 is padding
+  on_padding[2].end = spans[2].size();
+  EXPECT_THROW(model_.plan_positions_with_spans(batch.ids, batch.mask, vision, on_padding), Error);
+  std::vector<ImageSpan> short_span = spans;
+  short_span[0].end -= 1;
+  EXPECT_THAT([&] { model_.plan_positions_with_spans(batch.ids, batch.mask, vision, short_span); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("its span claims 3")));
+  EXPECT_THROW(model_.plan_positions_with_spans(batch.ids, batch.mask, vision, {spans[0], spans[1]}), Error);
+}
+
 TEST_P(QwenFamilyTest, GreedyTokensWithKvCacheEqualTokensWithout) {
   GenerateRequest request = make_request(batch_rows(), batch_vision());
   Generator generator(model_);
@@ -463,8 +486,8 @@ TEST(QwenFamilyConfigTest, SizesThatDoNotFitAreRefusedWithTheNumbers) {
 
   QwenVlConfig q3 = QwenVlConfig::tiny(QwenFamily::kQwen3Vl);
   c = q3;
-  c.vision.deepstack_visual_indexes = {0, 2};
-  refused(c, {"deepstack_visual_indexes", "entry 2", "depth"});
+  c.vision.deepstack_visual_indexes = {0, 3};
+  refused(c, {"deepstack_visual_indexes", "entry 3", "depth"});
   c = q3;
   c.vision.deepstack_visual_indexes = {1, 0};
   refused(c, {"deepstack_visual_indexes", "strictly increasing"});

@@ -94,7 +94,7 @@ struct LanguageModel {
 /// Qwen2.5-VL (window attention, RMSNorm and SwiGLU in the tower) and Qwen3-VL (learned
 /// interpolated positions, DeepStack, Qwen3 decoder with q/k norms and interleaved M-RoPE).
 /// config().family says which; the table in qwen_vl_config.h lists what differs. All three use
-/// Qwen2-VL's M-RoPE index rule for images.
+/// Qwen2-VL's M-RoPE index rule for images, except that Qwen2.5-VL puts all frames at time 0.
 ///
 ///   auto model = vlmgen::QwenVl::from_checkpoint("/models/Qwen2-VL-2B-Instruct");
 ///   vlmgen::InferenceContext ctx(model->traits().kv_cache, /*batch=*/1, /*capacity=*/1024);
@@ -166,7 +166,8 @@ class QwenVl : public CausalVlm {
   /// these rows replays everything the LM needs of an image.
   at::Tensor encode_images(const VisionInputs& vision) override;
 
-  /// Qwen-VL's M-RoPE index rule for images (HF get_rope_index, the same in all three families): text advances t/h/w
+  /// Qwen-VL's M-RoPE index rule for images (HF get_rope_index; Qwen2.5-VL puts every frame of an
+  /// image at time 0, the others count frames): text advances t/h/w
   /// together; an image of merged grid (t, h, w) takes (t_i, h_i, w_i) offset by the text before it, and text after it
   /// resumes at the largest position so far + 1. Returns [3, B, L] and delta[b] = (largest position of row b + 1) -
   /// (real tokens of row b). With an empty bundle placeholder tokens count as text.

@@ -143,7 +143,7 @@ struct QwenVlConfig {
 
   /// A tiny config for tests: 2 LM layers, hidden 64, 4 heads (2 KV heads), vision depth 2, in
   /// the given family (Qwen2.5-VL: window 16 px = 2x2 merged tokens, block 1 full; Qwen3-VL:
-  /// a 4x4 position table, DeepStack after vision block 0, interleaved M-RoPE).
+  /// 3 vision blocks, a 4x4 position table, DeepStack after vision blocks 1 and 2, interleaved M-RoPE).
   static QwenVlConfig tiny(QwenFamily family = QwenFamily::kQwen2Vl);
 
   /// Number of DeepStack features per image token (0 unless Qwen3-VL).

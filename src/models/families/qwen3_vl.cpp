@@ -35,7 +35,8 @@ void tiny_vision(QwenVisionConfig& v) {
   v.patch_size = 4;
   v.hidden_act = "gelu_pytorch_tanh";
   v.num_position_embeddings = 16;  // a 4x4 table: grids other than 4x4 interpolate
-  v.deepstack_visual_indexes = {0, 1};
+  v.depth = 3;                     // DeepStack after blocks 1 and 2: list position, block index and LM layer all differ
+  v.deepstack_visual_indexes = {1, 2};
 }
 
 }  // namespace
@@ -57,9 +58,13 @@ const QwenFamilySpec& qwen3_vl_family() {
                                       "merger.norm",
                                       "merger.linear_fc1",
                                       "merger.linear_fc2",
+                                      "vision_config.hidden_size",
+                                      "vision_config.out_hidden_size",
                                       /*image_frames_share_time=*/false,
                                       /*qwen3_text=*/true,
                                       /*default_rope_theta=*/5000000.0,
+                                      /*default_rms_norm_eps=*/1e-6,
+                                      /*default_max_position_embeddings=*/128000,
                                       read_vision,
                                       write_vision,
                                       /*nested_text_config=*/true,

@@ -9,7 +9,8 @@
 # (Qwen3VLVisionModel: fast_pos_embed_interpolate, rot_pos_emb, Qwen3VLVisionBlock,
 # Qwen3VLVisionPatchMerger with and without postshuffle norm, deepstack_merger_list;
 # Qwen3VLTextRotaryEmbedding.apply_interleaved_mrope, Qwen3VLTextAttention with q_norm/k_norm,
-# Qwen3VLTextModel._deepstack_process); get_rope_index is the same rule for images in both.
+# Qwen3VLTextModel._deepstack_process); get_rope_index for images (Qwen2.5-VL gives every frame of
+# an image time 0, Qwen3-VL counts frames).
 #
 #   python3 tests/model/reference/qwen_vl_families_reference.py qwen2_5_vl
 #   python3 tests/model/reference/qwen_vl_families_reference.py qwen3_vl
@@ -27,8 +28,8 @@ Q3 = FAMILY == "qwen3_vl"
 # QwenVlConfig::tiny(family)
 C = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, inter=128, eps=1e-6, theta=10000.0,
          mrope=[3, 3, 2] if Q3 else [2, 3, 3], vocab=96, image=90, vs=88, ve=89)
-V = dict(depth=2, embed=32, heads=2, inter=48, ch=3, patch=4, tp=2, merge=2,
-         window=16, fullatt=[1], pos=16, deepstack=[0, 1])
+V = dict(depth=3 if Q3 else 2, embed=32, heads=2, inter=48, ch=3, patch=4, tp=2, merge=2,
+         window=16, fullatt=[1], pos=16, deepstack=[1, 2])
 
 
 def name_key(name):

