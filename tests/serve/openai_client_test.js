@@ -224,6 +224,51 @@ async function main() {
   console.log(`all ${checks} checks passed`);
 }
 
+// Limits mode (a server with --max-running 1 --max-waiting 1 --allow-local-images DIR, DIR holding
+// IMAGE.png as picture.png): local paths inside DIR only, and 429 with Retry-After on a full queue.
+async function limits() {
+  const dir = process.env.VLMGEN_SERVE_IMAGE_DIR;
+  const withUrl = (u) => [{ role: 'user', content: [{ type: 'image_url', image_url: { url: u } },
+                                                    { type: 'text', text: 'Describe this image.' }] }];
+  const base = { model: 'm', max_tokens: expected.max_tokens, temperature: 0 };
+  for (const u of [dir + '/picture.png', 'file://' + dir + '/picture.png', dir + '/../images/picture.png']) {
+    const r = await client.chat.completions.create({ ...base, messages: withUrl(u) });
+    check(r.choices[0].message.content === expected.text, `a local path inside the folder (${u}) reads the picture`,
+          r.choices[0].message.content);
+  }
+  const post = (body) => raw('/v1/chat/completions', { method: 'POST', body: JSON.stringify(body) });
+  for (const u of [dir + '/../expected.json', '/etc/passwd', dir + '/missing.png', 'file:///etc/hostname']) {
+    const r = await post({ ...base, messages: withUrl(u) });
+    check(r.status === 400 && r.body.error.param === 'messages[0].content[0].image_url.url',
+          `a path outside the folder or missing (${u}) is a 400`, r);
+  }
+  console.log('OK --allow-local-images: inside read, outside refused');
+
+  // One running, one waiting: the third is refused with 429 and Retry-After.
+  const long = { ...base, messages: withUrl(imageUrl), max_tokens: 1500, stream: true };
+  const first = await client.chat.completions.create(long);
+  const firstIt = first[Symbol.asyncIterator]();
+  await firstIt.next();
+  const second = await client.chat.completions.create(long);
+  const secondIt = second[Symbol.asyncIterator]();
+  await secondIt.next();
+  const third = await post({ ...base, messages: withUrl(imageUrl) });
+  check(third.status === 429 && third.headers.get('retry-after') === '1' && third.body.error.type === 'rate_limit_error',
+        'a full queue answers 429 with Retry-After', { status: third.status, body: third.body });
+  first.controller.abort();
+  second.controller.abort();
+  let idle = false;
+  for (let i = 0; i < 200 && !idle; i++) {
+    await new Promise((res) => setTimeout(res, 50));
+    idle = (await metric('vlmgen_requests_running')) === 0 && (await metric('vlmgen_requests_waiting')) === 0;
+  }
+  check(idle, 'the aborted streams leave nothing running or waiting');
+  const after = await client.chat.completions.create({ ...base, messages: withUrl(imageUrl) });
+  check(after.choices[0].message.content === expected.text, 'served again once the queue emptied');
+  console.log('OK queue full: 429 with Retry-After; served again afterwards');
+  console.log(`all ${checks} limit checks passed`);
+}
+
 // Shutdown mode: open 8 streams, say so, and read them to their end.
 async function hold() {
   const streams = [];
@@ -247,4 +292,4 @@ async function hold() {
   console.log(`${finished} of 8 streams finished`);
 }
 
-(process.env.VLMGEN_SERVE_HOLD ? hold() : main()).catch((e) => { console.error('FAIL: ' + (e.stack || e)); process.exit(1); });
+(process.env.VLMGEN_SERVE_HOLD ? hold() : process.env.VLMGEN_SERVE_IMAGE_DIR ? limits() : main()).catch((e) => { console.error('FAIL: ' + (e.stack || e)); process.exit(1); });

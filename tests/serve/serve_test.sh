@@ -35,8 +35,9 @@ fs.writeFileSync(process.argv[4], JSON.stringify({text, prompt_tokens: count(pro
 echo "vlmgen-chat: $(cat "$work/expected.json")"
 
 start_server() {
-  "$serve" --model "$model" --port 0 --api-key sk-test --max-running 4 --max-body-bytes 2000000 \
-    --max-image-pixels 1000000 --grace-seconds 20 > "$work/serve.out" 2> "$work/serve.err" &
+  rm -f "$work/serve.out"
+  "$serve" --model "$model" --port 0 --api-key sk-test --max-body-bytes 2000000 --max-image-pixels 1000000 \
+    --grace-seconds 20 "$@" > "$work/serve.out" 2> "$work/serve.err" &
   server=$!
   for _ in $(seq 1 600); do
     url=$(sed -n 's/^vlmgen-serve: listening on //p' "$work/serve.out")
@@ -47,9 +48,20 @@ start_server() {
   echo "vlmgen-serve did not start"; cat "$work/serve.err"; exit 1
 }
 
-start_server
-echo "server at $url"
 export NODE_PATH="$npm_dir/node_modules"
+
+# Limits: local image paths inside --allow-local-images only, and 429 when the queue is full.
+mkdir -p "$work/images"
+cp "$image" "$work/images/picture.png"
+start_server --max-running 1 --max-waiting 1 --allow-local-images "$work/images"
+if ! VLMGEN_SERVE_IMAGE_DIR="$work/images" node "$here/openai_client_test.js" "$url" sk-test "$work/expected.json" "$image"; then
+  echo "--- server log (tail)"; tail -n 30 "$work/serve.err"; kill "$server"; exit 1
+fi
+kill -TERM "$server"
+wait "$server" || { echo "FAIL: the limits server did not exit 0"; exit 1; }
+
+start_server --max-running 4
+echo "server at $url"
 if ! node "$here/openai_client_test.js" "$url" sk-test "$work/expected.json" "$image"; then
   echo "--- server log (tail)"; tail -n 30 "$work/serve.err"; kill "$server"; exit 1
 fi

@@ -34,6 +34,7 @@
 #include "vlmgen/error.h"
 #include "vlmgen/image/image.h"
 #include "vlmgen/image/preprocessor_config.h"
+#include "vlmgen/io/files.h"
 #include "vlmgen/models/qwen_vl.h"
 #include "vlmgen/text/chat.h"
 #include "vlmgen/text/detokenizer.h"
@@ -329,9 +330,13 @@ class Server {
     for (size_t i = 0; i < messages.size(); ++i) {
       for (size_t j = 0; j < messages[i].content.size(); ++j) {
         ContentPart& part = messages[i].content[j];
-        if (part.kind != ContentPart::Kind::kImageBytes) continue;
+        if (part.kind != ContentPart::Kind::kImageBytes && part.kind != ContentPart::Kind::kImageFile) continue;
         try {
-          Image image = decode_image(reinterpret_cast<const uint8_t*>(part.text.data()), part.text.size(),
+          // A local file (behind --allow-local-images) is read here too, under the same limits.
+          const std::string bytes = part.kind == ContentPart::Kind::kImageFile
+                                        ? read_regular_file(part.text, "image file", options_.max_body_bytes)
+                                        : std::move(part.text);
+          Image image = decode_image(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(),
                                      ImageLimits().max_pixels(options_.max_image_pixels));
           part.kind = ContentPart::Kind::kImagePixels;
           part.pixels = std::make_shared<const Image>(std::move(image));
