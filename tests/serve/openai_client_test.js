@@ -167,6 +167,7 @@ async function main() {
   const bad = [
     ['not JSON', '{"messages": [', 400, null],
     ['an array body', '[1, 2]', 400, null],
+    ['JSON nested 100000 deep', '['.repeat(100000) + ']'.repeat(100000), 400, null],
     ['no messages', { model: 'm' }, 400, 'messages'],
     ['messages not an array', { messages: 'hi' }, 400, 'messages'],
     ['empty messages', { messages: [] }, 400, 'messages'],

@@ -35,6 +35,7 @@
 #include "vlmgen/image/image.h"
 #include "vlmgen/image/preprocessor_config.h"
 #include "vlmgen/io/files.h"
+#include "vlmgen/io/json.h"
 #include "vlmgen/models/qwen_vl.h"
 #include "vlmgen/text/chat.h"
 #include "vlmgen/text/detokenizer.h"
@@ -265,6 +266,12 @@ class Server {
     try {
       if (draining_.load()) throw ApiError(503, "the server is shutting down", "", "server_error", "shutting_down");
       Json body;
+      try {
+        // Depth first, on the raw text: a body nested thousands of levels deep never reaches the parser.
+        check_json_limits(req.body, JsonLimits().max_bytes(options_.max_body_bytes), "the request body");
+      } catch (const Error& e) {
+        throw ApiError(400, e.what());
+      }
       try {
         body = Json::parse(req.body);
       } catch (const Json::exception& e) {
