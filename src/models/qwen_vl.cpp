@@ -460,13 +460,22 @@ at::Tensor QwenVl::forward(const ForwardArgs& args) {
                             deepstack_rows);
 }
 
-RopePlan QwenVl::plan_positions(const at::Tensor& input_ids, const at::Tensor& attention_mask,
-                                const VisionInputs& vision) const {
+namespace {
+
+/// What both position planners need of their inputs.
+void check_plan_inputs(const at::Tensor& input_ids, const at::Tensor& attention_mask) {
   VLMGEN_CHECK(input_ids.defined() && input_ids.dim() == 2, "input_ids must be [B, L], got {}",
                detail::shape_str(input_ids));
   VLMGEN_CHECK(attention_mask.defined() && attention_mask.sizes() == input_ids.sizes(),
                "attention_mask {} must match input_ids {}", detail::shape_str(attention_mask),
                detail::shape_str(input_ids));
+}
+
+}  // namespace
+
+RopePlan QwenVl::plan_positions(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                const VisionInputs& vision) const {
+  check_plan_inputs(input_ids, attention_mask);
   std::vector<ImageSpan> spans;
   if (!vision.empty()) {
     vision.validate(config_.vision.spatial_merge_size);
@@ -488,11 +497,7 @@ RopePlan QwenVl::plan_positions(const at::Tensor& input_ids, const at::Tensor& a
 
 RopePlan QwenVl::plan_positions_with_spans(const at::Tensor& input_ids, const at::Tensor& attention_mask,
                                            const VisionInputs& vision, const std::vector<ImageSpan>& spans) const {
-  VLMGEN_CHECK(input_ids.defined() && input_ids.dim() == 2, "input_ids must be [B, L], got {}",
-               detail::shape_str(input_ids));
-  VLMGEN_CHECK(attention_mask.defined() && attention_mask.sizes() == input_ids.sizes(),
-               "attention_mask {} must match input_ids {}", detail::shape_str(attention_mask),
-               detail::shape_str(input_ids));
+  check_plan_inputs(input_ids, attention_mask);
   if (!vision.empty()) vision.validate(config_.vision.spatial_merge_size);
   return place_images(input_ids, attention_mask, vision, spans, /*padded=*/true);
 }

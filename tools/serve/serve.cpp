@@ -95,6 +95,14 @@ class Histogram {
   int64_t count_ = 0;
 };
 
+/// A token's entry in an OpenAI logprobs list: its text, log-probability and UTF-8 bytes.
+Json logprob_json(const Tokenizer& tokenizer, int64_t token, float logprob) {
+  const std::string piece = tokenizer.decode({token});
+  Json bytes = Json::array();
+  for (unsigned char c : piece) bytes.push_back(static_cast<int>(c));
+  return {{"token", piece}, {"logprob", logprob}, {"bytes", bytes}};
+}
+
 /// One completion in flight: the engine's callback appends final text (after the stop strings),
 /// the HTTP side reads it.
 struct Completion {
@@ -117,10 +125,9 @@ struct Completion {
     bool hit = false;
     text += stop.feed(detok.push(e.token), &hit);
     if (want_logprobs) {
-      const std::string piece = tokenizer.decode({e.token});
-      Json bytes = Json::array();
-      for (unsigned char c : piece) bytes.push_back(static_cast<int>(c));
-      logprobs.push_back({{"token", piece}, {"logprob", e.logprob}, {"bytes", bytes}, {"top_logprobs", Json::array()}});
+      Json entry = logprob_json(tokenizer, e.token, e.logprob);
+      entry["top_logprobs"] = Json::array();
+      logprobs.push_back(std::move(entry));
     }
     if (hit) stop_hit = true;
     cv.notify_all();
@@ -390,10 +397,7 @@ class Server {
       Json content = c->logprobs;
       for (size_t i = 0; i < content.size() && i < out.top_logprobs.size(); ++i) {
         for (const auto& [token, lp] : out.top_logprobs[i]) {
-          const std::string piece = tokenizer_->decode({token});
-          Json bytes = Json::array();
-          for (unsigned char ch : piece) bytes.push_back(static_cast<int>(ch));
-          content[i]["top_logprobs"].push_back({{"token", piece}, {"logprob", lp}, {"bytes", bytes}});
+          content[i]["top_logprobs"].push_back(logprob_json(*tokenizer_, token, lp));
         }
       }
       choice["logprobs"] = {{"content", content}};
