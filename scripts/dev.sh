@@ -25,9 +25,11 @@ build_type="${BUILD_TYPE:-Release}"
 jobs="${JOBS:-$(nproc)}"
 
 # libopenblas0-pthread: without it LibTorch's CPU matrix products run tens of times slower.
+# python3-torch, pybind11-dev, python3-pytest: the Python module and its tests (python/, tests/python).
 packages=(cmake ninja-build g++ ccache pkg-config libtorch-dev libfmt-dev libgtest-dev libgmock-dev
           libopenblas0-pthread nlohmann-json3-dev libstb-dev libcli11-dev libbenchmark-dev libgloo-dev
-          libpcre2-dev libutf8proc-dev libcpp-httplib-dev libssl-dev)
+          libpcre2-dev libutf8proc-dev libcpp-httplib-dev libssl-dev
+          python3-dev python3-torch pybind11-dev python3-pytest)
 # node/npm run the tokenizer reference tests (scripts/npm-deps.sh). A node from elsewhere
 # (NodeSource ships npm inside its nodejs package) is kept: apt's npm would conflict with it.
 if ! command -v node > /dev/null 2>&1 || ! command -v npm > /dev/null 2>&1; then

@@ -23,7 +23,7 @@ mkdir -p "$dir"
 CC=clang CXX=clang++ cmake -S . -B "$dir" -G Ninja \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -Xclang -fno-pch-timestamp" \
   -DVLMGEN_SANITIZE=address,undefined -DVLMGEN_BUILD_FUZZERS=ON \
-  -DVLMGEN_BUILD_EXAMPLES=OFF -DVLMGEN_BUILD_BENCHMARKS=OFF -DVLMGEN_INSTALL=OFF \
+  -DVLMGEN_BUILD_EXAMPLES=OFF -DVLMGEN_BUILD_BENCHMARKS=OFF -DVLMGEN_INSTALL=OFF -DVLMGEN_BUILD_PYTHON=OFF \
   > "$dir/configure.log" 2>&1 || { cat "$dir/configure.log"; exit 1; }
 export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
 

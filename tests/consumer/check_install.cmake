@@ -23,3 +23,15 @@ execute_process(COMMAND ${WORK_DIR}/build/consumer RESULT_VARIABLE rc)
 if(rc)
   message(FATAL_ERROR "the consumer failed: ${rc}")
 endif()
+
+# The Python package, when built: importable from the prefix alone (its module finds libvlmgen
+# relative to itself), and it is the installed copy that loads.
+if(PYTHON)
+  set(_site ${WORK_DIR}/prefix/${PYTHON_PACKAGE_DIR})
+  execute_process(COMMAND ${CMAKE_COMMAND} -E env PYTHONPATH=${_site} PYTHONDONTWRITEBYTECODE=1 ${PYTHON} -c
+    "import vlmgen; assert vlmgen.__file__.startswith('${_site}/'), vlmgen.__file__; c = vlmgen.GenerationConfig(max_new_tokens=2); print('python package', vlmgen.__version__, 'from', vlmgen.__file__)"
+    WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "importing the installed Python package failed: ${rc}")
+  endif()
+endif()

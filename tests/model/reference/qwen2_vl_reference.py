@@ -2,7 +2,8 @@
 # rot_pos_emb, cu_seqlens vision attention, PatchMerger, get_rope_index, Qwen2VLRotaryEmbedding,
 # apply_multimodal_rotary_pos_emb, repeat_kv, 4-D causal mask, Qwen2RMSNorm, Qwen2MLP), run on
 # hash-derived weights so the C++ test can rebuild the same model without a checkpoint.
-# Prints golden numbers for tests/model/qwen2_vl_test.cpp (Qwen2VlHfParityTest).
+# Prints golden numbers for tests/model/qwen2_vl_test.cpp (Qwen2VlHfParityTest) when run; the Python
+# binding tests (tests/python) import it as the model written in plain PyTorch.
 import math
 import torch
 import torch.nn.functional as F
@@ -167,11 +168,16 @@ def rms(x, weight):
     return weight * (x * torch.rsqrt(var + C["eps"]))
 
 
-def lm(input_ids, attention_mask, position_ids, image_embeds):
+def lm(input_ids, attention_mask, position_ids, image_embeds, kv=None):
+    """Logits of the columns input_ids [B, S]. attention_mask covers every column up to the window's
+    end, so with a KV cache (kv(layer, k, v) -> keys and values of all columns so far) the window
+    follows attention_mask.shape[1] - S earlier columns. image_embeds None: placeholders keep their
+    token embedding (what a model sent no image computes)."""
     B, S = input_ids.shape
     x = F.embedding(input_ids, W["model.embed_tokens.weight"])
-    image_mask = (input_ids == C["image"]).unsqueeze(-1).expand_as(x)
-    x = x.masked_scatter(image_mask, image_embeds)
+    if image_embeds is not None:
+        image_mask = (input_ids == C["image"]).unsqueeze(-1).expand_as(x)
+        x = x.masked_scatter(image_mask, image_embeds)
     inv_freq = 1.0 / (C["theta"] ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     inv_exp = inv_freq[None, None, :, None].float().expand(3, B, -1, 1)
     pos_exp = position_ids[:, :, None, :].float()
@@ -182,8 +188,9 @@ def lm(input_ids, attention_mask, position_ids, image_embeds):
     cos = torch.cat([c[i % 3] for i, c in enumerate(cos.split(sec, dim=-1))], dim=-1).unsqueeze(1)
     sin = torch.cat([s[i % 3] for i, s in enumerate(sin.split(sec, dim=-1))], dim=-1).unsqueeze(1)
     min_v = torch.finfo(torch.float32).min
-    causal = torch.full((S, S), min_v)
-    causal = causal * (torch.arange(S) > torch.arange(S).reshape(-1, 1))
+    past = attention_mask.shape[1] - S
+    causal = torch.full((S, past + S), min_v)
+    causal = causal * (torch.arange(past + S) > torch.arange(S).reshape(-1, 1) + past)
     causal = causal[None, None].expand(B, 1, -1, -1).clone()
     pad = (causal + attention_mask[:, None, None, :]) == 0
     causal = causal.masked_fill(pad, min_v)
@@ -196,9 +203,11 @@ def lm(input_ids, attention_mask, position_ids, image_embeds):
         v = F.linear(h, W[f"{p}.self_attn.v_proj.weight"], W[f"{p}.self_attn.v_proj.bias"]).view(B, S, nkv, hd).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        rep = nh // nkv
-        k = k[:, :, None].expand(B, nkv, rep, S, hd).reshape(B, nh, S, hd)
-        v = v[:, :, None].expand(B, nkv, rep, S, hd).reshape(B, nh, S, hd)
+        if kv is not None:
+            k, v = kv(i, k, v)
+        rep, T = nh // nkv, k.shape[2]
+        k = k[:, :, None].expand(B, nkv, rep, T, hd).reshape(B, nh, T, hd)
+        v = v[:, :, None].expand(B, nkv, rep, T, hd).reshape(B, nh, T, hd)
         a = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(hd) + causal
         a = torch.softmax(a, dim=-1, dtype=torch.float32)
         o = torch.matmul(a, v).transpose(1, 2).reshape(B, S, -1)
@@ -212,39 +221,44 @@ def lm(input_ids, attention_mask, position_ids, image_embeds):
 
 
 # ---- the golden case ----
-VS, VE, IMG = C["vs"], C["ve"], C["image"]
-row0 = [1, 2, 3, VS] + [IMG] * 4 + [VE, 4, 5, VS] + [IMG] * 8 + [VE, 6]
-row1 = [7, VS] + [IMG] * 8 + [VE, 8, 9]
-L = max(len(row0), len(row1))
-ids = torch.zeros(2, L, dtype=torch.long)
-mask = torch.zeros(2, L, dtype=torch.long)
-for r, row in enumerate([row0, row1]):
-    ids[r, L - len(row):] = torch.tensor(row)
-    mask[r, L - len(row):] = 1
-grid = torch.tensor([[1, 4, 4], [2, 4, 4], [1, 4, 8]])
-rows = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
-pdim = V["ch"] * V["tp"] * V["patch"] * V["patch"]
-pixels = hashed(rows * pdim, 1000, 1.0).view(rows, pdim)
+def main():
+    VS, VE, IMG = C["vs"], C["ve"], C["image"]
+    row0 = [1, 2, 3, VS] + [IMG] * 4 + [VE, 4, 5, VS] + [IMG] * 8 + [VE, 6]
+    row1 = [7, VS] + [IMG] * 8 + [VE, 8, 9]
+    L = max(len(row0), len(row1))
+    ids = torch.zeros(2, L, dtype=torch.long)
+    mask = torch.zeros(2, L, dtype=torch.long)
+    for r, row in enumerate([row0, row1]):
+        ids[r, L - len(row):] = torch.tensor(row)
+        mask[r, L - len(row):] = 1
+    grid = torch.tensor([[1, 4, 4], [2, 4, 4], [1, 4, 8]])
+    rows = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
+    pdim = V["ch"] * V["tp"] * V["patch"] * V["patch"]
+    pixels = hashed(rows * pdim, 1000, 1.0).view(rows, pdim)
 
-embeds = vision_tower(pixels, grid)
-pos, deltas = get_rope_index(ids, grid, mask)
-logits = lm(ids, mask, pos, embeds)
+    embeds = vision_tower(pixels, grid)
+    pos, deltas = get_rope_index(ids, grid, mask)
+    logits = lm(ids, mask, pos, embeds)
 
-u_h = hashed(H, 4343, 1.0)
-u_v = hashed(C["vocab"], 4242, 1.0)
-emb_proj = (embeds.double() @ u_h.double())
-logit_proj = (logits.double() @ u_v.double())  # [2, L]
-
-
-def fmt(vals):
-    return ", ".join(f"{v:.7g}" for v in vals)
+    u_h = hashed(H, 4343, 1.0)
+    u_v = hashed(C["vocab"], 4242, 1.0)
+    emb_proj = (embeds.double() @ u_h.double())
+    logit_proj = (logits.double() @ u_v.double())  # [2, L]
 
 
-print("// positions t/h/w row0:", pos[:, 0].tolist())
-print("// positions t/h/w row1:", pos[:, 1].tolist())
-print("// deltas:", deltas)
-print(f"const std::vector<double> kEmbeddingProjection = {{{fmt(emb_proj.tolist())}}};")
-print(f"const std::vector<double> kLogitProjectionRow0 = {{{fmt(logit_proj[0, L - len(row0):].tolist())}}};")
-print(f"const std::vector<double> kLogitProjectionRow1 = {{{fmt(logit_proj[1, L - len(row1):].tolist())}}};")
-print("// max |logit|:", float(logits.abs().max()), " max |embed|:", float(embeds.abs().max()))
-print("// logits[1,-1,:8]:", fmt(logits[1, -1, :8].tolist()))
+    def fmt(vals):
+        return ", ".join(f"{v:.7g}" for v in vals)
+
+
+    print("// positions t/h/w row0:", pos[:, 0].tolist())
+    print("// positions t/h/w row1:", pos[:, 1].tolist())
+    print("// deltas:", deltas)
+    print(f"const std::vector<double> kEmbeddingProjection = {{{fmt(emb_proj.tolist())}}};")
+    print(f"const std::vector<double> kLogitProjectionRow0 = {{{fmt(logit_proj[0, L - len(row0):].tolist())}}};")
+    print(f"const std::vector<double> kLogitProjectionRow1 = {{{fmt(logit_proj[1, L - len(row1):].tolist())}}};")
+    print("// max |logit|:", float(logits.abs().max()), " max |embed|:", float(embeds.abs().max()))
+    print("// logits[1,-1,:8]:", fmt(logits[1, -1, :8].tolist()))
+
+
+if __name__ == "__main__":
+    main()

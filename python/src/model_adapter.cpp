@@ -1,0 +1,141 @@
+#include "model_adapter.h"
+
+#include <fmt/format.h>
+
+#include <map>
+
+#include "vlmgen/detail/tensor_utils.h"
+
+namespace vlmgen::python {
+
+namespace {
+
+std::string type_name(py::handle value) { return py::str(py::type::handle_of(value).attr("__name__")); }
+
+// Clears the flag that lends a context to one call, whatever way the call ends.
+struct LeaseGuard {
+  std::shared_ptr<std::atomic<bool>> live;
+  ~LeaseGuard() { live->store(false); }
+};
+
+at::Tensor tensor_result(py::handle out, const std::string& model, const char* method, const char* expected) {
+  VLMGEN_CHECK(THPVariable_Check(out.ptr()), "{}.{} must return a torch.Tensor ({}), got {}", model, method, expected,
+               type_name(out));
+  return THPVariable_Unpack(out.ptr());
+}
+
+}  // namespace
+
+at::ScalarType dtype_from_python(py::handle value) {
+  std::string name = py::str(value);
+  if (name.rfind("torch.", 0) == 0) name = name.substr(6);
+  static const std::map<std::string, at::ScalarType> kNames = {{"float32", at::kFloat},     {"float", at::kFloat},
+                                                               {"float16", at::kHalf},      {"half", at::kHalf},
+                                                               {"bfloat16", at::kBFloat16}, {"float64", at::kDouble}};
+  auto it = kNames.find(name);
+  VLMGEN_CHECK(it != kNames.end(),
+               "dtype must be one of float32, float16, bfloat16, float64 (or a torch.dtype), got '{}'", name);
+  return it->second;
+}
+
+std::string dtype_name(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kDouble: return "float64";
+    default: return c10::toString(dtype);
+  }
+}
+
+ModelTraits traits_from_python(py::handle value) {
+  py::object traits_class = py::module_::import("vlmgen._vlmgen").attr("ModelTraits");
+  if (py::isinstance<py::dict>(value)) return traits_class(**value.cast<py::dict>()).cast<ModelTraits>();
+  VLMGEN_CHECK(py::isinstance(value, traits_class), "a model's traits must be a vlmgen.ModelTraits or a dict, got {}",
+               type_name(value));
+  return value.cast<ModelTraits>();
+}
+
+PythonModel::PythonModel(py::object model) : model_(std::move(model)) {
+  name_ = type_name(model_);
+  VLMGEN_CHECK(py::hasattr(model_, "forward") && py::isinstance<py::function>(model_.attr("forward")),
+               "a Python model needs a forward(args) method; {} has none", name_);
+  VLMGEN_CHECK(py::hasattr(model_, "traits"),
+               "a Python model needs `traits` (a vlmgen.ModelTraits or a dict with at least vocab_size, as an "
+               "attribute or a method); {} has none",
+               name_);
+  py::object traits = model_.attr("traits");
+  if (PyCallable_Check(traits.ptr()) && !py::isinstance<py::type>(traits)) traits = traits();
+  traits_ = traits_from_python(traits);
+  VLMGEN_CHECK(traits_.vocab_size > 0, "{}.traits: vocab_size must be > 0, got {}", name_, traits_.vocab_size);
+  VLMGEN_CHECK(
+      !traits_.supports_kv_cache || traits_.kv_cache.num_kv_heads >= 1,
+      "{}.traits: supports_kv_cache is True but kv_cache is not set; give kv_cache=KvCacheSpec(num_layers=..., "
+      "num_kv_heads=..., head_dim=...) for the cache the generator allocates (the model fills it with "
+      "args.context.append_kv), or supports_kv_cache=False",
+      name_);
+  if (py::hasattr(model_, "device")) {
+    py::object device = model_.attr("device");
+    if (PyCallable_Check(device.ptr())) device = device();
+    const std::string text = py::str(device);
+    try {
+      device_ = at::Device(text);
+    } catch (const c10::Error&) {
+      VLMGEN_FAIL("{}.device must name a device such as 'cpu' or 'cuda:0', got '{}'", name_, text);
+    }
+  }
+  has_plan_ = py::hasattr(model_, "plan_positions");
+  has_encode_ = py::hasattr(model_, "encode_images");
+}
+
+PythonModel::~PythonModel() {
+  // The Python object is released under the GIL, whichever thread drops the last reference.
+  py::gil_scoped_acquire gil;
+  model_ = py::object();
+}
+
+at::Tensor PythonModel::forward(const ForwardArgs& args) {
+  py::gil_scoped_acquire gil;
+  auto view = std::make_shared<ArgsView>(args);
+  LeaseGuard lease{view->live};
+  py::object out = model_.attr("forward")(view);
+  return tensor_result(out, name_, "forward", "logits [batch, columns, vocab]");
+}
+
+at::Tensor PythonModel::encode_images(const VisionInputs& vision) {
+  py::gil_scoped_acquire gil;
+  py::object out = model_.attr("encode_images")(vision);
+  return tensor_result(out, name_, "encode_images", "one row per image placeholder token");
+}
+
+RopePlan PythonModel::plan_positions(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                     const VisionInputs& vision) const {
+  if (!has_plan_) return CausalVlm::plan_positions(input_ids, attention_mask, vision);
+  py::gil_scoped_acquire gil;
+  py::object out = model_.attr("plan_positions")(input_ids, attention_mask, vision);
+  py::object plan_class = py::module_::import("vlmgen._vlmgen").attr("RopePlan");
+  RopePlan plan;
+  if (py::isinstance(out, plan_class)) {
+    plan = out.cast<RopePlan>();
+  } else {
+    VLMGEN_CHECK(py::isinstance<py::tuple>(out) && py::len(out) == 2,
+                 "{}.plan_positions must return a vlmgen.RopePlan or a (positions, delta) tuple, got {}", name_,
+                 type_name(out));
+    auto pair = out.cast<py::tuple>();
+    plan.prompt_positions = tensor_result(pair[0], name_, "plan_positions", "positions [B, L] or [3, B, L]");
+    plan.delta = pair[1].cast<std::vector<int64_t>>();
+  }
+  const int64_t batch = input_ids.size(0), columns = input_ids.size(1);
+  const auto& p = plan.prompt_positions;
+  VLMGEN_CHECK(p.defined() && ((p.dim() == 2 && p.size(0) == batch && p.size(1) == columns) ||
+                               (p.dim() == 3 && p.size(1) == batch && p.size(2) == columns)),
+               "{}.plan_positions: positions must be [{}, {}] or [axes, {}, {}], got {}", name_, batch, columns, batch,
+               columns, p.defined() ? detail::shape_str(p) : std::string("undefined"));
+  VLMGEN_CHECK(static_cast<int64_t>(plan.delta.size()) == batch || plan.delta.empty(),
+               "{}.plan_positions: delta must have one value per row ({}), got {}", name_, batch, plan.delta.size());
+  if (plan.delta.empty()) plan.delta.assign(static_cast<size_t>(batch), 0);
+  plan.prompt_positions = p.to(at::kCPU, at::kLong);
+  return plan;
+}
+
+}  // namespace vlmgen::python

@@ -1,0 +1,77 @@
+"""vlmgen's C++ Qwen2-VL from Python: the same tokens as from C++ (vlmgen-generate), and as the
+plain-PyTorch model on the same weights."""
+
+import os
+import re
+import subprocess
+
+import pytest
+
+import vlmgen
+from conftest import tool
+from torch_qwen2_vl import IMAGE, VISION_END, VISION_START, TorchQwen2VL
+
+IMAGE_FILE = os.path.join(os.path.dirname(__file__), "..", "text", "data", "gradient.png")
+MIN_PIXELS, MAX_PIXELS = 256, 1024
+NEW_TOKENS = 10
+
+
+def cli_tokens(checkpoint, kv_cache):
+    args = [tool("VLMGEN_GENERATE"), "--checkpoint", checkpoint, "--prompt", "1 2 3 <image> 4 5", "--image",
+            IMAGE_FILE, "--max-pixels", str(MAX_PIXELS), "--min-pixels", str(MIN_PIXELS), "--max-new-tokens", str(NEW_TOKENS),
+            "--temperature", "1.0", "--seed", "7"]
+    if not kv_cache:
+        args.append("--no-kv-cache")
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120, check=True).stdout
+    match = re.search(r"^tokens:([ 0-9]*)$", out, re.M)
+    assert match, out
+    return [int(t) for t in match.group(1).split()]
+
+
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_the_cpp_model_gives_the_same_tokens_from_python_as_from_cpp(checkpoint, kv_cache):
+    model = vlmgen.load_model(checkpoint)
+    assert isinstance(model, vlmgen.Model)
+    vision = vlmgen.preprocess_images([IMAGE_FILE], checkpoint=checkpoint, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    (count,) = model.placeholder_counts(vision)
+    prompt = [1, 2, 3, VISION_START] + [IMAGE] * count + [VISION_END, 4, 5]
+    # Sampled (the tiny random model's greedy path settles on one token at once), seeded.
+    config = vlmgen.GenerationConfig(max_new_tokens=NEW_TOKENS, enable_kv_cache=kv_cache, temperature=1.0, seed=7,
+                                     prompt_logprobs=True)
+    from_python = vlmgen.Generator(model).generate([prompt], config, vision=vision)
+    assert from_python.sequences[0].finish_reason == "length"
+    assert len(set(from_python.tokens[0])) > 3
+    assert from_python.tokens[0] == cli_tokens(checkpoint, kv_cache)
+    # And the plain-PyTorch transcription of HF on the same weights agrees.
+    torch_model = vlmgen.Generator(TorchQwen2VL(kv_cache=kv_cache)).generate([prompt], config, vision=vision)
+    assert torch_model.tokens == from_python.tokens
+    assert torch_model.sequences[0].prompt_logprobs[1:] == pytest.approx(
+        from_python.sequences[0].prompt_logprobs[1:], abs=1e-4)
+
+
+class Delegating:
+    """A Python model whose forward is the C++ model's: the seam costs only the call."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.traits = inner.traits
+
+    def forward(self, args):
+        return self.inner.forward(args)
+
+    def plan_positions(self, input_ids, attention_mask, vision):
+        return self.inner.plan_positions(input_ids, attention_mask, vision)
+
+
+def test_a_python_model_may_delegate_to_a_cpp_model_kv_cache_included(checkpoint):
+    model = vlmgen.load_model(checkpoint)
+    vision = vlmgen.preprocess_images([IMAGE_FILE], checkpoint=checkpoint, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    (count,) = model.placeholder_counts(vision)
+    prompt = [5, VISION_START] + [IMAGE] * count + [VISION_END, 6]
+    config = vlmgen.GenerationConfig(max_new_tokens=NEW_TOKENS, return_logprobs=True)
+    direct = vlmgen.Generator(model).generate([prompt], config, vision=vision)
+    spy = vlmgen.testing.ForwardSpy(Delegating(model))
+    wrapped = vlmgen.Generator(spy).generate([prompt], config, vision=vision)
+    assert wrapped.tokens == direct.tokens
+    assert wrapped.sequences[0].logprobs == pytest.approx(direct.sequences[0].logprobs, abs=1e-6)
+    assert [c.window_size for c in spy.calls] == [len(prompt)] + [1] * (NEW_TOKENS - 1)
