@@ -60,11 +60,17 @@ PythonModel::PythonModel(py::object model) : model_(std::move(model)) {
   name_ = type_name(model_);
   VLMGEN_CHECK(py::hasattr(model_, "forward") && py::isinstance<py::function>(model_.attr("forward")),
                "a Python model needs a forward(args) method; {} has none", name_);
-  VLMGEN_CHECK(py::hasattr(model_, "traits"),
-               "a Python model needs `traits` (a vlmgen.ModelTraits or a dict with at least vocab_size, as an "
-               "attribute or a method); {} has none",
-               name_);
-  py::object traits = model_.attr("traits");
+  // getattr, not hasattr: a `traits` property that raises must raise, not read as missing.
+  PyObject* raw_traits = PyObject_GetAttrString(model_.ptr(), "traits");
+  if (raw_traits == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();
+    PyErr_Clear();
+    VLMGEN_FAIL(
+        "a Python model needs `traits` (a vlmgen.ModelTraits or a dict with at least vocab_size, as an attribute "
+        "or a method); {} has none",
+        name_);
+  }
+  py::object traits = py::reinterpret_steal<py::object>(raw_traits);
   if (PyCallable_Check(traits.ptr()) && !py::isinstance<py::type>(traits)) traits = traits();
   traits_ = traits_from_python(traits);
   VLMGEN_CHECK(traits_.vocab_size > 0, "{}.traits: vocab_size must be > 0, got {}", name_, traits_.vocab_size);
@@ -123,7 +129,11 @@ RopePlan PythonModel::plan_positions(const at::Tensor& input_ids, const at::Tens
                  type_name(out));
     auto pair = out.cast<py::tuple>();
     plan.prompt_positions = tensor_result(pair[0], name_, "plan_positions", "positions [B, L] or [3, B, L]");
-    plan.delta = pair[1].cast<std::vector<int64_t>>();
+    try {
+      plan.delta = pair[1].cast<std::vector<int64_t>>();
+    } catch (const py::cast_error&) {
+      VLMGEN_FAIL("{}.plan_positions: delta must be a list of ints (one per row), got {}", name_, type_name(pair[1]));
+    }
   }
   const int64_t batch = input_ids.size(0), columns = input_ids.size(1);
   const auto& p = plan.prompt_positions;

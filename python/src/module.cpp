@@ -3,6 +3,7 @@
 // Text and image helpers are in module_text.cpp.
 
 #include <c10/core/InferenceMode.h>
+#include <cxxabi.h>
 #include <fmt/format.h>
 #include <pybind11/stl.h>
 
@@ -58,6 +59,10 @@ V cast_field(py::handle value, const std::string& name) {
   try {
     return value.cast<V>();
   } catch (const py::cast_error&) {
+    if (PyLong_Check(value.ptr()) && !PyBool_Check(value.ptr())) {
+      throw py::type_error(fmt::format("'{}' cannot take {}: out of range (it must be >= 0 and fit 64 bits)", name,
+                                       std::string(py::str(value))));
+    }
     throw py::type_error(fmt::format("'{}' cannot take a value of type {}", name, type_name(value)));
   }
 }
@@ -114,23 +119,72 @@ struct PyRequest {
   py::object on_token = py::none();
 };
 
+// Token-id rows from a list of lists of ints (or of 1-D tensors), or a 2-D integer tensor as an
+// HF processor returns it, with its attention_mask (1 real, 0 padding) when rows are padded.
+std::vector<std::vector<int64_t>> prompts_from(py::handle prompts, const std::optional<at::Tensor>& attention_mask) {
+  const char* expected =
+      "prompts must be a list of token-id lists (one per row), a 2-D integer tensor [rows, tokens], or a "
+      "vlmgen.GenerateRequest";
+  std::vector<std::vector<int64_t>> rows;
+  if (THPVariable_Check(prompts.ptr())) {
+    const at::Tensor ids = THPVariable_Unpack(prompts.ptr());
+    VLMGEN_CHECK(ids.dim() == 2 && !at::isFloatingType(ids.scalar_type()) && ids.scalar_type() != at::kBool,
+                 "{}, got a {} tensor of shape {}", expected, c10::toString(ids.scalar_type()), detail::shape_str(ids));
+    const at::Tensor flat = ids.to(at::kCPU, at::kLong).contiguous();
+    at::Tensor mask;
+    if (attention_mask) {
+      VLMGEN_CHECK(attention_mask->sizes() == ids.sizes(), "attention_mask {} must have the shape of the prompts {}",
+                   detail::shape_str(*attention_mask), detail::shape_str(ids));
+      mask = attention_mask->to(at::kCPU, at::kLong).contiguous();
+    }
+    auto id = flat.accessor<int64_t, 2>();
+    for (int64_t b = 0; b < flat.size(0); ++b) {
+      std::vector<int64_t> row;
+      for (int64_t c = 0; c < flat.size(1); ++c) {
+        if (mask.defined()) {
+          const int64_t m = mask[b][c].item<int64_t>();
+          VLMGEN_CHECK(m == 0 || m == 1, "attention_mask must hold 0 and 1, got {} at [{}, {}]", m, b, c);
+          if (m == 0) continue;
+        }
+        row.push_back(id[b][c]);
+      }
+      rows.push_back(std::move(row));
+    }
+    return rows;
+  }
+  VLMGEN_CHECK(!attention_mask, "attention_mask goes with prompts given as a 2-D tensor");
+  if (!py::isinstance<py::sequence>(prompts) || py::isinstance<py::str>(prompts)) {
+    throw py::type_error(fmt::format("{}, got {}", expected, type_name(prompts)));
+  }
+  for (py::handle row : prompts) {
+    if (THPVariable_Check(row.ptr())) {
+      const at::Tensor t = THPVariable_Unpack(row.ptr());
+      VLMGEN_CHECK(t.dim() == 1 && !at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kBool,
+                   "a prompt row given as a tensor must be 1-D integer token ids, got {} {}",
+                   c10::toString(t.scalar_type()), detail::shape_str(t));
+      rows.push_back(detail::to_int64_vector(t));
+      continue;
+    }
+    try {
+      rows.push_back(row.cast<std::vector<int64_t>>());
+    } catch (const py::cast_error&) {
+      throw py::type_error(fmt::format("{}, got a row of type {}", expected, type_name(row)));
+    }
+  }
+  return rows;
+}
+
 PyRequest request_from(py::handle prompts_or_request, std::optional<VisionInputs> vision,
-                       std::shared_ptr<ContextHandle> context, py::object on_token) {
+                       std::shared_ptr<ContextHandle> context, py::object on_token,
+                       const std::optional<at::Tensor>& attention_mask) {
   PyRequest r;
   if (py::isinstance<PyRequest>(prompts_or_request)) {
     r = prompts_or_request.cast<PyRequest>();
-    VLMGEN_CHECK(!vision && !context && on_token.is_none(),
+    VLMGEN_CHECK(!vision && !context && on_token.is_none() && !attention_mask,
                  "give vision, context and on_token either in the GenerateRequest or as arguments, not both");
     return r;
   }
-  try {
-    r.prompts = prompts_or_request.cast<std::vector<std::vector<int64_t>>>();
-  } catch (const py::cast_error&) {
-    throw py::type_error(
-        fmt::format("prompts must be a list of lists of token ids (one list per row) or a "
-                    "vlmgen.GenerateRequest, got {}",
-                    type_name(prompts_or_request)));
-  }
+  r.prompts = prompts_from(prompts_or_request, attention_mask);
   if (vision) r.vision = *vision;
   r.context = std::move(context);
   r.on_token = std::move(on_token);
@@ -154,9 +208,20 @@ struct PyGenerator {
     InferenceContext* context = r.context ? &r.context->get() : nullptr;
     GenerateRequest request(r.prompts, r.vision, context, std::move(on_token));
     request.cancel = cancel;
+    // A forward or on_token that calls back into its own generator would wait for itself.
+    VLMGEN_CHECK(owner.load() != std::this_thread::get_id(),
+                 "generate was called re-entrantly on the same Generator (from its model's forward or an on_token "
+                 "callback); use another Generator");
     std::lock_guard<std::mutex> lock(mutex);
+    owner.store(std::this_thread::get_id());
+    struct Release {
+      std::atomic<std::thread::id>& owner;
+      ~Release() { owner.store(std::thread::id()); }
+    } release{owner};
     return generator.generate(request, config);
   }
+
+  std::atomic<std::thread::id> owner{};
 };
 
 TokenCallback python_callback(const py::object& fn) {
@@ -166,7 +231,10 @@ TokenCallback python_callback(const py::object& fn) {
   return [borrowed](const TokenEvent& event) {
     py::gil_scoped_acquire gil;
     py::object keep_going = borrowed(event);
-    return keep_going.is_none() || keep_going.cast<bool>();
+    if (keep_going.is_none()) return true;
+    const int truth = PyObject_IsTrue(keep_going.ptr());
+    if (truth < 0) throw py::error_already_set();
+    return truth == 1;
   };
 }
 
@@ -189,6 +257,8 @@ class TokenStream {
         GenerationResult result = generator_->run(request_, config, push, &cancel_);
         std::lock_guard<std::mutex> lock(mutex_);
         result_ = std::move(result);
+      } catch (abi::__forced_unwind&) {
+        throw;  // the interpreter is ending this thread (shutdown): let it
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex_);
         error_ = std::current_exception();
@@ -227,26 +297,35 @@ class TokenStream {
     join();
   }
 
-  const GenerationResult& result() const {
-    VLMGEN_CHECK(result_.has_value(), "the stream has not finished; iterate it to the end first");
+  const GenerationResult& result() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      VLMGEN_CHECK(done_, "the stream has not finished; iterate it to the end (or close it) first");
+    }
+    join();
+    VLMGEN_CHECK(result_.has_value(), "the stream ended with an error (its iteration raised it); it has no result");
     return *result_;
   }
 
  private:
   void join() {
+    // The worker may need the GIL for a Python model: never wait for it holding the GIL.
+    std::optional<py::gil_scoped_release> release;
+    if (PyGILState_Check()) release.emplace();
+    std::lock_guard<std::mutex> lock(join_mutex_);  // close() from one thread, next() from another
     if (!worker_.joinable()) return;
-    if (PyGILState_Check()) {
-      py::gil_scoped_release release;  // the worker may need the GIL for a Python model
-      worker_.join();
-    } else {
-      worker_.join();
+    if (worker_.get_id() == std::this_thread::get_id()) {
+      worker_.detach();  // the last reference was dropped by the stream's own model
+      return;
     }
+    worker_.join();
   }
 
   std::shared_ptr<PyGenerator> generator_;
   PyRequest request_;
   std::atomic<bool> cancel_{false};
   std::mutex mutex_;
+  std::mutex join_mutex_;
   std::condition_variable ready_;
   std::deque<TokenEvent> queue_;
   bool done_ = false;
@@ -586,17 +665,18 @@ void bind_results(py::module_& m) {
           "each row's new tokens");
 
   py::class_<PyRequest>(m, "GenerateRequest", "Prompts (one list of token ids per row), their images, a context.")
-      .def(py::init([](std::vector<std::vector<int64_t>> prompts, std::optional<VisionInputs> vision,
-                       std::shared_ptr<ContextHandle> context, py::object on_token) {
+      .def(py::init([](py::handle prompts, std::optional<VisionInputs> vision, std::shared_ptr<ContextHandle> context,
+                       py::object on_token, std::optional<at::Tensor> attention_mask) {
              PyRequest r;
-             r.prompts = std::move(prompts);
+             r.prompts = prompts_from(prompts, attention_mask);
              if (vision) r.vision = *vision;
              r.context = std::move(context);
              r.on_token = std::move(on_token);
              return r;
            }),
            py::arg("prompts"), py::arg("vision") = py::none(), py::arg("context") = py::none(),
-           py::arg("on_token") = py::none())
+           py::arg("on_token") = py::none(), py::arg("attention_mask") = py::none(),
+           "prompts: token-id lists, or a 2-D integer tensor (with attention_mask when padded)")
       .def_readwrite("prompts", &PyRequest::prompts)
       .def_readwrite("vision", &PyRequest::vision)
       .def_readwrite("context", &PyRequest::context)
@@ -625,26 +705,31 @@ void bind_generator(py::module_& m) {
       .def(
           "generate",
           [](PyGenerator& g, py::handle prompts, std::optional<GenerationConfig> config,
-             std::optional<VisionInputs> vision, std::shared_ptr<ContextHandle> context, py::object on_token) {
-            PyRequest r = request_from(prompts, std::move(vision), std::move(context), std::move(on_token));
+             std::optional<VisionInputs> vision, std::shared_ptr<ContextHandle> context, py::object on_token,
+             std::optional<at::Tensor> attention_mask) {
+            PyRequest r =
+                request_from(prompts, std::move(vision), std::move(context), std::move(on_token), attention_mask);
             TokenCallback callback = python_callback(r.on_token);
             py::gil_scoped_release release;
             return g.run(r, config.value_or(GenerationConfig()), std::move(callback), nullptr);
           },
           py::arg("prompts"), py::arg("config") = py::none(), py::kw_only(), py::arg("vision") = py::none(),
-          py::arg("context") = py::none(), py::arg("on_token") = py::none(),
-          "Generates for `prompts` (a list of token-id lists, or a GenerateRequest); on_token(event) is called "
-          "for each new token (return False to stop that row). Raises vlmgen.Error on bad input, and whatever "
-          "the model's forward raises.")
+          py::arg("context") = py::none(), py::arg("on_token") = py::none(), py::arg("attention_mask") = py::none(),
+          "Generates for `prompts` (a list of token-id lists, a 2-D integer tensor with its attention_mask when "
+          "padded, or a GenerateRequest); on_token(event) is called for each new token (return False to stop that "
+          "row). Raises vlmgen.Error on bad input, and whatever the model's forward raises.")
       .def(
           "stream",
           [](std::shared_ptr<PyGenerator> g, py::handle prompts, std::optional<GenerationConfig> config,
-             std::optional<VisionInputs> vision, std::shared_ptr<ContextHandle> context) {
-            PyRequest r = request_from(prompts, std::move(vision), std::move(context), py::none());
+             std::optional<VisionInputs> vision, std::shared_ptr<ContextHandle> context,
+             std::optional<at::Tensor> attention_mask) {
+            PyRequest r = request_from(prompts, std::move(vision), std::move(context), py::none(), attention_mask);
             return std::make_shared<TokenStream>(std::move(g), std::move(r), config.value_or(GenerationConfig()));
           },
           py::arg("prompts"), py::arg("config") = py::none(), py::kw_only(), py::arg("vision") = py::none(),
-          py::arg("context") = py::none(), "for event in generator.stream(prompts, config): ...");
+          py::arg("context") = py::none(), py::arg("attention_mask") = py::none(),
+          "for event in generator.stream(prompts, config): ... (the generation runs on its own thread, ahead of "
+          "the iteration)");
 }
 
 void bind_testing(py::module_& m) {

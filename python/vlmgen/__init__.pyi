@@ -114,9 +114,12 @@ class ForwardArgs:
     @property
     def context(self) -> Optional[InferenceContext]: ...
 
+Prompts = Union[Sequence[Sequence[int]], Sequence[torch.Tensor], torch.Tensor]
+
 class PythonModel(Protocol):
-    """What Generator accepts besides a vlmgen.Model. Optional: plan_positions, encode_images, device."""
-    traits: Union[ModelTraits, dict[str, Any]]
+    """What Generator accepts besides a vlmgen.Model: `traits` (an attribute, or a method called
+    once) and forward. Optional: plan_positions, encode_images, device."""
+    traits: Union[ModelTraits, dict[str, Any], Callable[[], Union[ModelTraits, dict[str, Any]]]]
     def forward(self, args: ForwardArgs) -> torch.Tensor: ...
 
 class Model:
@@ -194,9 +197,10 @@ class GenerateRequest:
     vision: VisionInputs
     context: Optional[InferenceContext]
     on_token: Optional[Callable[[TokenEvent], Optional[bool]]]
-    def __init__(self, prompts: Sequence[Sequence[int]], vision: Optional[VisionInputs] = None,
+    def __init__(self, prompts: Prompts, vision: Optional[VisionInputs] = None,
                  context: Optional[InferenceContext] = None,
-                 on_token: Optional[Callable[[TokenEvent], Optional[bool]]] = None) -> None: ...
+                 on_token: Optional[Callable[[TokenEvent], Optional[bool]]] = None,
+                 attention_mask: Optional[torch.Tensor] = None) -> None: ...
 
 class TokenStream(Iterator[TokenEvent]):
     def __iter__(self) -> TokenStream: ...
@@ -211,13 +215,15 @@ class Generator:
     def __init__(self, model: Union[Model, PythonModel]) -> None: ...
     @property
     def model(self) -> Any: ...
-    def generate(self, prompts: Union[Sequence[Sequence[int]], GenerateRequest],
+    def generate(self, prompts: Union[Prompts, GenerateRequest],
                  config: Optional[GenerationConfig] = None, *, vision: Optional[VisionInputs] = None,
                  context: Optional[InferenceContext] = None,
-                 on_token: Optional[Callable[[TokenEvent], Optional[bool]]] = None) -> GenerationResult: ...
-    def stream(self, prompts: Union[Sequence[Sequence[int]], GenerateRequest],
+                 on_token: Optional[Callable[[TokenEvent], Optional[bool]]] = None,
+                 attention_mask: Optional[torch.Tensor] = None) -> GenerationResult: ...
+    def stream(self, prompts: Union[Prompts, GenerateRequest],
                config: Optional[GenerationConfig] = None, *, vision: Optional[VisionInputs] = None,
-               context: Optional[InferenceContext] = None) -> TokenStream: ...
+               context: Optional[InferenceContext] = None,
+               attention_mask: Optional[torch.Tensor] = None) -> TokenStream: ...
 
 def load_image(path: str) -> torch.Tensor: ...
 def preprocess_images(images: Sequence[Union[str, torch.Tensor]], checkpoint: Optional[str] = None,

@@ -35,7 +35,8 @@ struct DtypeName {
   at::ScalarType type;
 };
 
-// Only dtypes that LibTorch 1.13 can hold; U16/U32/U64 and the F8 formats are rejected by name.
+// Only dtypes that LibTorch 1.13 can hold (U16/U32/U64 are rejected by name); the F8 formats are
+// read as bytes (SafetensorsEntry::fp8).
 constexpr DtypeName kDtypes[] = {
     {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf}, {"BF16", at::kBFloat16}, {"I64", at::kLong},
     {"I32", at::kInt},    {"I16", at::kShort}, {"I8", at::kChar},  {"U8", at::kByte},       {"BOOL", at::kBool},
@@ -102,9 +103,16 @@ SafetensorsEntry parse_entry(const std::string& path, const std::string& name, c
   VLMGEN_CHECK(dtype.is_string(), "safetensors file '{}': entry '{}' dtype must be a string, got {}", path, shown,
                dtype.type_name());
   const auto& dtype_str = dtype.get_ref<const std::string&>();
-  VLMGEN_CHECK(dtype_from_name(dtype_str, &entry.dtype),
-               "safetensors file '{}': entry '{}' has unsupported dtype '{}' (supported: {})", path, shown,
-               quote_excerpt(dtype_str, 16), supported_dtype_list());
+  // The FP8 formats have no LibTorch 1.13 dtype: their bytes are read as uint8 and the entry
+  // says which format they hold (vlmgen/io/fp8.h decodes them).
+  entry.fp8 = fp8_format_from_dtype_name(dtype_str);
+  if (entry.fp8) {
+    entry.dtype = at::kByte;
+  } else {
+    VLMGEN_CHECK(dtype_from_name(dtype_str, &entry.dtype),
+                 "safetensors file '{}': entry '{}' has unsupported dtype '{}' (supported: {}, F8_E4M3, F8_E5M2)", path,
+                 shown, quote_excerpt(dtype_str, 16), supported_dtype_list());
+  }
 
   const Json& shape = value.at("shape");
   VLMGEN_CHECK(shape.is_array(), "safetensors file '{}': entry '{}' shape must be an array, got {}", path, shown,
@@ -336,7 +344,13 @@ at::Tensor SafetensorsFile::narrow(const std::string& name, int64_t dim, int64_t
 }
 
 void save_safetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,
-                      const std::map<std::string, std::string>& metadata) {
+                      const std::map<std::string, std::string>& metadata,
+                      const std::map<std::string, Fp8Format>& fp8_tensors) {
+  for (const auto& [name, format] : fp8_tensors) {
+    auto it = tensors.find(name);
+    VLMGEN_CHECK(it != tensors.end() && it->second.defined() && it->second.scalar_type() == at::kByte,
+                 "save_safetensors('{}'): FP8 tensor '{}' must be one of the tensors, held as uint8 bytes", path, name);
+  }
   Json header = Json::object();
   std::vector<at::Tensor> contiguous;
   contiguous.reserve(tensors.size());
@@ -345,7 +359,8 @@ void save_safetensors(const std::string& path, const std::map<std::string, at::T
     VLMGEN_CHECK(kv.first != kMetadataKey, "save_safetensors('{}'): '{}' is reserved for metadata", path, kv.first);
     const at::Tensor& t = kv.second;
     VLMGEN_CHECK(t.defined(), "save_safetensors('{}'): tensor '{}' is undefined", path, kv.first);
-    const char* dtype = dtype_name(t.scalar_type());
+    auto fp8 = fp8_tensors.find(kv.first);
+    const char* dtype = fp8 != fp8_tensors.end() ? fp8_dtype_name(fp8->second) : dtype_name(t.scalar_type());
     VLMGEN_CHECK(dtype != nullptr,
                  "save_safetensors('{}'): tensor '{}' has unsupported dtype {} "
                  "(supported: {})",

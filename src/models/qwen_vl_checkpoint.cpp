@@ -4,6 +4,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "vlmgen/distributed/communicator.h"
 #include "vlmgen/error.h"
 #include "vlmgen/io/safetensors.h"
+#include "vlmgen/models/quantization.h"
 #include "vlmgen/models/qwen_vl.h"
 
 namespace vlmgen {
@@ -54,6 +56,28 @@ at::Tensor read_slice(const SafetensorsCheckpoint& checkpoint, const std::string
   VLMGEN_FAIL("unknown shard layout of tensor {}", name);
 }
 
+/// The float32 weight of FP8 tensor `name`: its bytes decoded and multiplied by its scale, as the
+/// checkpoint's scheme says. The whole tensor is dequantized, then sharded like any weight, so a
+/// per-block scale grid never has to split at a tensor-parallel boundary.
+at::Tensor read_fp8_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name, Fp8Format format,
+                           const std::optional<QuantizationScheme>& quantization, const std::string& dir) {
+  VLMGEN_CHECK(quantization.has_value(),
+               "tensor {} in checkpoint {} is {} but the checkpoint declares no quantization (config.json "
+               "quantization_config or hf_quant_config.json), so its scales cannot be read",
+               name, dir, fp8_dtype_name(format));
+  const std::string module =
+      name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0 ? name.substr(0, name.size() - 7) : name;
+  VLMGEN_CHECK(!quantization->is_excluded(module),
+               "tensor {} in checkpoint {} is {} but the checkpoint's {} excludes module {} from quantization", name,
+               dir, fp8_dtype_name(format), to_string(quantization->format), module);
+  const std::string scale_name = module + "." + quantization->scale_suffix;
+  VLMGEN_CHECK(checkpoint.contains(scale_name), "FP8 tensor {} in checkpoint {} has no scale {} ({})", name, dir,
+               scale_name, to_string(quantization->format));
+  QuantizationScheme scheme = *quantization;
+  scheme.fp8 = format;  // the file's dtype says which of the two formats the bytes are
+  return scheme.dequantize(checkpoint.tensor(name), checkpoint.tensor(scale_name), name);
+}
+
 }  // namespace
 
 std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const ParallelContext& parallel) {
@@ -63,16 +87,18 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
   // fails right away: both before the (possibly large) files are mapped.
   config.validate();
   QwenVl::check_parallel_config(config, parallel);
+  const std::optional<QuantizationScheme> quantization = QuantizationScheme::from_checkpoint(dir);
   SafetensorsCheckpoint checkpoint(dir);
   // Some tied checkpoints leave tie_word_embeddings unset but ship no head: use the embedding.
   if (!checkpoint.contains("lm_head.weight")) config.tie_word_embeddings = true;
   // A config.json that promises more weights than the files hold is refused before the model
-  // allocates them (at 2 bytes per weight, the smallest dtype loaded).
+  // allocates them (at 2 bytes per weight, the smallest dtype loaded; 1 for FP8 checkpoints).
   const int64_t parameters = config.parameter_count();
-  VLMGEN_CHECK(parameters <= checkpoint.data_bytes() / 2,
-               "checkpoint {}: config.json describes {} weights, at least {} bytes as F16/BF16, but its safetensors "
+  const int64_t min_bytes = quantization ? 1 : 2;
+  VLMGEN_CHECK(parameters <= checkpoint.data_bytes() / min_bytes,
+               "checkpoint {}: config.json describes {} weights, at least {} bytes as {}, but its safetensors "
                "files hold only {} bytes of tensor data",
-               dir, parameters, parameters * 2, checkpoint.data_bytes());
+               dir, parameters, parameters * min_bytes, quantization ? "FP8" : "F16/BF16", checkpoint.data_bytes());
   std::unique_ptr<QwenVl> model(new QwenVl(config, Uninitialized{}, parallel));
 
   std::vector<WeightSlot> weights = model->weight_slots();
@@ -98,8 +124,14 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
     const std::vector<int64_t> full = model->full_shape(*target, weights[i].layout);
     VLMGEN_CHECK(entry.shape == full, "tensor {} has shape [{}] in checkpoint {} but the config needs [{}]", sources[i],
                  fmt::join(entry.shape, ", "), dir, fmt::join(full, ", "));
+    if (entry.fp8) {
+      *target = detail::take_shard(read_fp8_weight(checkpoint, sources[i], *entry.fp8, quantization, dir),
+                                   weights[i].layout, rank, tp)
+                    .contiguous();
+      continue;
+    }
     VLMGEN_CHECK(entry.dtype == at::kFloat || entry.dtype == at::kHalf || entry.dtype == at::kBFloat16,
-                 "tensor {} in checkpoint {} is {}; weights must be F32, F16 or BF16", sources[i], dir,
+                 "tensor {} in checkpoint {} is {}; weights must be F32, F16, BF16 or FP8", sources[i], dir,
                  c10::toString(entry.dtype));
     *target = read_slice(checkpoint, sources[i], full, weights[i].layout, rank, tp).to(at::kFloat).contiguous();
   }

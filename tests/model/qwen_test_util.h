@@ -97,7 +97,7 @@ inline Batch left_pad(const std::vector<std::vector<int64_t>>& rows) {
 }
 
 // Full no-cache forward over a left-padded batch: [B, L, vocab].
-inline at::Tensor full_forward(QwenVl& model, const Batch& batch, const VisionInputs& vision) {
+inline at::Tensor full_forward(CausalVlm& model, const Batch& batch, const VisionInputs& vision) {
   ForwardArgs args;
   args.input_ids = batch.ids;
   args.attention_mask = batch.mask;

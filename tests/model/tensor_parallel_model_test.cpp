@@ -36,6 +36,7 @@
 #include "vlmgen/generator.h"
 #include "vlmgen/io/safetensors.h"
 #include "vlmgen/logging.h"
+#include "vlmgen/models/quantization.h"
 #include "vlmgen/models/qwen2_vl.h"
 #include "vlmgen/parallel.h"
 #include "vlmgen/sampling.h"
@@ -696,6 +697,41 @@ TEST(TensorParallelModel, CheckpointShardedAtLoadGatheredAtSave) {
   Qwen2Vl(config, 21).save_checkpoint(dir.string());
   EXPECT_EQ(run_workers(2, "DISABLED_TpModelWorker.CheckpointLoadsThisRanksSlicesAndSavesWhole",
                         two_rank_env({{"VLMGEN_TEST_CHECKPOINT", dir.string()}})),
+            0);
+  std::filesystem::remove_all(dir);
+}
+
+// An FP8 checkpoint whose scale blocks (24 x 40) the TP=2 shard boundaries cut through: each
+// rank dequantizes whole tensors and keeps its slice, so per-step logits equal TP=1's.
+TEST(DISABLED_TpModelWorker, Fp8CheckpointEqualsTp1) {
+  SKIP_UNLESS_WORKER();
+  const ParallelContext& par = worker_context();
+  const std::string dir = getenv_or("VLMGEN_TEST_CHECKPOINT", "");
+  ASSERT_FALSE(dir.empty()) << "the launching test passes VLMGEN_TEST_CHECKPOINT";
+  auto reference = QwenVl::from_checkpoint(dir);
+  auto model = QwenVl::from_checkpoint(dir, par);
+  const GenerateRequest request = image_request(reference->config());
+  double worst = 0.0;
+  for (const bool kv : {true, false}) {
+    const auto gen_config = GenerationConfig().max_new_tokens(6).enable_kv_cache(kv);
+    RecordedRun tp1 = generate_recorded(*reference, ParallelContext::single(), request, gen_config);
+    RecordedRun tp2 = generate_recorded(*model, par, request, gen_config);
+    worst = std::max(worst, expect_run_matches_tp1(tp1, tp2, kv ? "FP8, KV cache" : "FP8, no cache"));
+    expect_same_tokens_on_every_rank(tp2.result, *par.tp_group(), 6);
+  }
+  report("FP8 checkpoint: TP=2 vs TP=1 per-step logits, max|diff|", worst);
+}
+
+TEST(TensorParallelModel, Fp8CheckpointTp2EqualsTp1) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("vlmgen_tp_fp8_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  Qwen2Vl(test_config(), 23).save_checkpoint((dir / "f32").string());
+  QuantizeOptions options;
+  options.block = {24, 40};
+  quantize_checkpoint((dir / "f32").string(), (dir / "fp8").string(), options);
+  EXPECT_EQ(run_workers(2, "DISABLED_TpModelWorker.Fp8CheckpointEqualsTp1",
+                        two_rank_env({{"VLMGEN_TEST_CHECKPOINT", (dir / "fp8").string()}})),
             0);
   std::filesystem::remove_all(dir);
 }

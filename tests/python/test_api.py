@@ -5,7 +5,9 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -57,7 +59,7 @@ def test_bad_arguments_are_type_errors_naming_the_field():
         vlmgen.GenerationConfig(temperature="hot")
     with pytest.raises(vlmgen.Error, match="replay_mode must be"):
         vlmgen.GenerationConfig(replay_mode="sometimes")
-    with pytest.raises(TypeError, match="prompts must be a list of lists"):
+    with pytest.raises(TypeError, match="prompts must be a list of token-id lists .* got str"):
         vlmgen.Generator(Counting()).generate("hello")
 
 
@@ -183,7 +185,7 @@ def test_two_python_threads_generate_at_once_on_their_own_models():
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(n,)) for n in ("a", "b")]
+    threads = [threading.Thread(target=work, args=(n,), daemon=True) for n in ("a", "b")]
     for t in threads:
         t.start()
     for t in threads:
@@ -193,27 +195,113 @@ def test_two_python_threads_generate_at_once_on_their_own_models():
     assert results["a"] == [expected] * 5 and results["b"] == [expected] * 5
 
 
+def test_python_code_runs_while_a_cpp_model_generates(checkpoint):
+    """The GIL is released while C++ works: a Python thread keeps counting during a C++ generate."""
+    model = vlmgen.load_model(checkpoint)
+    generator = vlmgen.Generator(model)
+    config = vlmgen.GenerationConfig(max_new_tokens=40, enable_kv_cache=False)
+    counts, done = [0], threading.Event()
+
+    def spin():
+        while not done.is_set():
+            counts[0] += 1
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    before = counts[0]
+    generator.generate([list(range(1, 60))], config)
+    during = counts[0] - before
+    done.set()
+    spinner.join(timeout=10)
+    # Holding the GIL through generate would leave the spinner a switch interval or two at most.
+    assert during > 10000, f"the spinner advanced only {during} times during a C++ generate"
+
+
+def test_generate_called_from_its_own_model_is_an_error_not_a_deadlock():
+    class Reenters(Counting):
+        def forward(self, args):
+            return self.generator.generate([[1]], vlmgen.GenerationConfig(max_new_tokens=1))
+
+    model = Reenters()
+    model.generator = vlmgen.Generator(model)
+    with pytest.raises(vlmgen.Error, match="re-entrantly on the same Generator"):
+        model.generator.generate([[1, 2]], vlmgen.GenerationConfig(max_new_tokens=2))
+    model.forward = Counting().forward  # and it works afterwards
+    assert len(model.generator.generate([[1, 2]], vlmgen.GenerationConfig(max_new_tokens=2)).tokens[0]) == 2
+
+
+def test_prompts_as_tensors_with_their_attention_mask():
+    generator = vlmgen.Generator(Counting())
+    config = vlmgen.GenerationConfig(max_new_tokens=3)
+    expected = generator.generate([[3, 4, 5], [6, 7]], config).tokens
+    ids = torch.tensor([[3, 4, 5], [0, 6, 7]])
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    assert generator.generate(ids, config, attention_mask=mask).tokens == expected
+    assert generator.generate([torch.tensor([3, 4, 5]), torch.tensor([6, 7])], config).tokens == expected
+    request = vlmgen.GenerateRequest(ids, attention_mask=mask)
+    assert request.prompts == [[3, 4, 5], [6, 7]]
+    assert generator.generate(request, config).tokens == expected
+    with pytest.raises(vlmgen.Error, match="2-D integer tensor"):
+        generator.generate(torch.zeros(2, 3), config)
+    with pytest.raises(vlmgen.Error, match="must have the shape of the prompts"):
+        generator.generate(ids, config, attention_mask=mask[:, :2])
+
+
+def test_a_stream_may_be_closed_from_another_thread_while_one_iterates_it():
+    class Slow(Counting):
+        def forward(self, args):
+            time.sleep(0.002)
+            return super().forward(args)
+
+    stream = vlmgen.Generator(Slow()).stream([[1]], vlmgen.GenerationConfig(max_new_tokens=100000))
+    seen = []
+    consumer = threading.Thread(target=lambda: seen.extend(stream), daemon=True)
+    consumer.start()
+    time.sleep(0.1)
+    stream.close()
+    consumer.join(timeout=30)
+    assert not consumer.is_alive(), "the iterating thread hung after close()"
+    assert stream.result.sequences[0].finish_reason == "cancelled"
+    assert 0 < len(seen) < 100000
+
+
 def rss_bytes():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_a_thousand_generate_calls_keep_the_memory_flat():
-    generator = vlmgen.Generator(vlmgen.testing.ForwardSpy(Counting()))
-    config = vlmgen.GenerationConfig(max_new_tokens=4, return_logprobs=True)
+    """Plain, image, context and streamed calls: no growth in RSS, Python objects or references."""
+    model = TorchQwen2VL(kv_cache=True)
+    generator = vlmgen.Generator(vlmgen.testing.ForwardSpy(model))
+    config = vlmgen.GenerationConfig(max_new_tokens=3, return_logprobs=True)
+    prompt = image_prompt([1, 2], GRID, [3])
+    vision = vision_for([GRID])
 
     def burst(n):
         for i in range(n):
-            result = generator.generate([[1 + i % 5, 2]], config, on_token=lambda e: True)
-            assert len(result.tokens[0]) == 4
+            if i % 4 == 0:
+                result = generator.generate([[1 + i % 5, 2]], config, on_token=lambda e: True)
+            elif i % 4 == 1:
+                result = generator.generate([prompt], config, vision=vision)
+            elif i % 4 == 2:
+                context = vlmgen.InferenceContext.for_model(model, batch=1, capacity=64)
+                result = generator.generate([prompt], config, vision=vision, context=context)
+            else:
+                stream = generator.stream([[4, 5]], config)
+                list(stream)
+                result = stream.result
+            assert len(result.tokens[0]) == 3
         generator.model.clear()
         gc.collect()
 
     burst(100)  # warm up allocator pools and caches
-    before = rss_bytes()
+    before, objects, refs = rss_bytes(), len(gc.get_objects()), sys.getrefcount(vision)
     burst(1000)
     after = rss_bytes()
     assert after <= before * 1.10, f"RSS grew from {before} to {after} bytes over 1000 calls"
+    assert len(gc.get_objects()) <= objects + 100, "Python objects pile up"
+    assert sys.getrefcount(vision) == refs, "the bundle's references leak"
 
 
 def test_the_tokenizer_and_chat_prompts_of_a_checkpoint_folder(tmp_path):
@@ -267,6 +355,7 @@ def test_the_type_stubs_name_what_the_module_has_and_the_api_has_docstrings():
     functions = {n.name for n in stub.body if isinstance(n, ast.FunctionDef)}
     public = {n for n in dir(vlmgen) if not n.startswith("_") and n != "testing"}
     assert public == (set(classes) | functions) - {"PythonModel"}
+    assert "Prompts" in {t.id for n in stub.body if isinstance(n, ast.Assign) for t in n.targets}
     for name, node in classes.items():
         if name == "PythonModel":
             continue

@@ -1,9 +1,7 @@
 """The seeds' A/B in Python: a plain-PyTorch Qwen2-VL driven by vlmgen.Generator."""
 
-import torch
-
 import vlmgen
-from torch_qwen2_vl import TorchQwen2VL, image_prompt, vision_for
+from torch_qwen2_vl import TorchQwen2VL, image_prompt, ref, vision_for
 
 GRIDS = [(1, 4, 4), (1, 4, 8)]
 # Two rows of different lengths (the shorter is left-padded), one image each.
@@ -88,3 +86,39 @@ def test_a_cached_text_turn_then_an_image_turn_sends_the_new_image():
     fresh = vlmgen.Generator(TorchQwen2VL(kv_cache=False)).generate(
         [turn], vlmgen.GenerationConfig(max_new_tokens=4, enable_kv_cache=False), vision=vision)
     assert cached.tokens == fresh.tokens
+
+
+class Encoding(TorchQwen2VL):
+    """The same model with its vision tower behind encode_images: the generator encodes each image
+    once per request and hands the rows to every call whose window holds the image."""
+
+    def __init__(self, kv_cache=False):
+        super().__init__(kv_cache)
+        self.images_encoded = 0
+
+    def encode_images(self, vision):
+        self.images_encoded += vision.num_images
+        return ref.vision_tower(vision.pixel_values, vision.image_grid_thw)
+
+    def forward(self, args):
+        assert args.pixel_values is None or args.image_embeddings is None
+        if args.image_embeddings is None:
+            return super().forward(args)
+        kv = args.context.append_kv if args.context is not None else None
+        return ref.lm(args.input_ids, args.attention_mask, args.position_ids, args.image_embeddings, kv=kv)
+
+
+def test_a_python_encode_images_feeds_every_recompute_from_the_encoder_cache():
+    model = Encoding(kv_cache=False)
+    spy = vlmgen.testing.ForwardSpy(model)
+    config = vlmgen.GenerationConfig(max_new_tokens=NEW_TOKENS, enable_kv_cache=False)
+    result = vlmgen.Generator(spy).generate(PROMPTS, config, vision=vision_for(GRIDS))
+    assert model.images_encoded == 2 and result.stats.images_encoded == 2
+    for call in spy.calls:
+        assert call.image_embeddings_shape == [4 + 8, 64] and not call.has_pixel_values(), repr(call)
+    plain, _ = run_no_cache("span_aware")
+    assert result.tokens == plain.tokens
+    off = vlmgen.Generator(Encoding()).generate(
+        PROMPTS, vlmgen.GenerationConfig(max_new_tokens=NEW_TOKENS, enable_kv_cache=False, encoder_cache=False),
+        vision=vision_for(GRIDS))
+    assert off.stats.images_encoded == 0 and off.tokens == plain.tokens

@@ -5,9 +5,12 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "vlmgen/io/fp8.h"
 
 namespace vlmgen {
 
@@ -15,6 +18,7 @@ namespace vlmgen {
 struct SafetensorsEntry {
   std::string name;
   at::ScalarType dtype = at::kFloat;  // F32, F16 or BF16 (also I64/I32/U8/BOOL for non-weights)
+  std::optional<Fp8Format> fp8;       // F8_E4M3/F8_E5M2: the bytes, read as uint8 (dtype kByte)
   std::vector<int64_t> shape;
   int64_t begin = 0;  // byte offsets into the data section
   int64_t end = 0;
@@ -80,7 +84,9 @@ class SafetensorsCheckpoint {
 };
 
 /// Writes `tensors` (contiguous CPU copies are made as needed) to `path` in safetensors format.
+/// The uint8 tensors named in `fp8_tensors` are written with that FP8 dtype.
 void save_safetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,
-                      const std::map<std::string, std::string>& metadata = {});
+                      const std::map<std::string, std::string>& metadata = {},
+                      const std::map<std::string, Fp8Format>& fp8_tensors = {});
 
 }  // namespace vlmgen

@@ -1,0 +1,437 @@
+// FP8 checkpoint formats (detection, dequantization) and the FP8 quantizer.
+
+#include "vlmgen/models/quantization.h"
+
+#include <fmt/format.h>
+#include <fnmatch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+
+#include "../io/json_parse.h"
+#include "vlmgen/detail/tensor_utils.h"
+#include "vlmgen/error.h"
+#include "vlmgen/io/files.h"
+#include "vlmgen/io/safetensors.h"
+#include "vlmgen/version.h"
+
+namespace vlmgen {
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr int64_t kMaxQuantConfigBytes = int64_t{1} << 20;
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::vector<std::string> string_list(const Json& object, const char* key, const std::string& where) {
+  std::vector<std::string> out;
+  if (!object.contains(key) || object.at(key).is_null()) return out;
+  const Json& list = object.at(key);
+  VLMGEN_CHECK(list.is_array(), "{}: {} must be a list of module names, got {}", where, key,
+               detail::json_excerpt(list));
+  for (const Json& item : list) {
+    VLMGEN_CHECK(item.is_string(), "{}: {} must hold strings, got {}", where, key, detail::json_excerpt(item));
+    out.push_back(item.get<std::string>());
+  }
+  return out;
+}
+
+std::string string_or(const Json& object, const char* key, const std::string& fallback, const std::string& where) {
+  if (!object.contains(key) || object.at(key).is_null()) return fallback;
+  VLMGEN_CHECK(object.at(key).is_string(), "{}: {} must be a string, got {}", where, key,
+               detail::json_excerpt(object.at(key)));
+  return object.at(key).get<std::string>();
+}
+
+std::array<int64_t, 2> block_of(const Json& value, const std::string& where, const char* key) {
+  VLMGEN_CHECK(value.is_array() && value.size() == 2 && value[0].is_number_integer() && value[1].is_number_integer(),
+               "{}: {} must be two positive integers [rows, columns], got {}", where, key, detail::json_excerpt(value));
+  const std::array<int64_t, 2> block = {value[0].get<int64_t>(), value[1].get<int64_t>()};
+  VLMGEN_CHECK(block[0] >= 1 && block[1] >= 1 && block[0] <= (1 << 16) && block[1] <= (1 << 16),
+               "{}: {} must be two integers in [1, 65536], got [{}, {}]", where, key, block[0], block[1]);
+  return block;
+}
+
+const char* kSupported =
+    "vlmgen loads FP8 weights in three formats: quant_method 'fp8' (HF fine-grained, per block), ModelOpt "
+    "quant_algo FP8, FP8_PER_CHANNEL_PER_TOKEN or FP8_PB_WO, and compressed-tensors with 8-bit float weights";
+
+QuantizationScheme hf_fine_grained(const Json& q, const std::string& where) {
+  QuantizationScheme s;
+  s.format = QuantFormat::kHfFineGrained;
+  s.algorithm = "fp8";
+  const std::string fmt_name = string_or(q, "fmt", "e4m3", where);
+  VLMGEN_CHECK(fmt_name == "e4m3" || fmt_name == "e5m2", "{}: fmt must be 'e4m3' or 'e5m2', got '{}'", where, fmt_name);
+  s.fp8 = fmt_name == "e4m3" ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+  const std::string activations = string_or(q, "activation_scheme", "dynamic", where);
+  VLMGEN_CHECK(activations == "dynamic",
+               "{}: activation_scheme '{}' is not supported (it needs activation scales at run time, which vlmgen "
+               "does not apply); only 'dynamic'",
+               where, activations);
+  s.granularity = ScaleGranularity::kPerBlock;
+  if (q.contains("weight_block_size") && !q.at("weight_block_size").is_null()) {
+    s.block = block_of(q.at("weight_block_size"), where, "weight_block_size");
+  }
+  s.scale_suffix = "weight_scale_inv";
+  s.excluded = string_list(q, "modules_to_not_convert", where);
+  return s;
+}
+
+QuantizationScheme modelopt(const Json& q, const std::string& where) {
+  QuantizationScheme s;
+  s.format = QuantFormat::kModelOpt;
+  VLMGEN_CHECK(q.contains("quant_algo") && q.at("quant_algo").is_string(), "{}: quant_algo (a string) is missing",
+               where);
+  s.algorithm = q.at("quant_algo").get<std::string>();
+  s.scale_suffix = "weight_scale";
+  if (s.algorithm == "FP8") {
+    s.granularity = ScaleGranularity::kPerTensor;
+  } else if (s.algorithm == "FP8_PER_CHANNEL_PER_TOKEN") {
+    s.granularity = ScaleGranularity::kPerChannel;
+  } else if (s.algorithm == "FP8_PB_WO") {
+    s.granularity = ScaleGranularity::kPerBlock;
+    for (const char* key : {"block_size", "weight_block_size"}) {
+      if (q.contains(key) && !q.at(key).is_null()) s.block = block_of(q.at(key), where, key);
+    }
+  } else {
+    VLMGEN_FAIL("{}: ModelOpt quant_algo '{}' is not supported; {}", where, quote_excerpt(s.algorithm, 40), kSupported);
+  }
+  s.excluded = string_list(q, "exclude_modules", where);
+  return s;
+}
+
+QuantizationScheme compressed_tensors(const Json& q, const std::string& where) {
+  QuantizationScheme s;
+  s.format = QuantFormat::kCompressedTensors;
+  s.scale_suffix = "weight_scale";
+  const std::string format = string_or(q, "format", "float-quantized", where);
+  VLMGEN_CHECK(format == "float-quantized" || format == "naive-quantized",
+               "{}: compressed-tensors format '{}' is not supported (FP8 checkpoints are 'float-quantized'); {}", where,
+               quote_excerpt(format, 40), kSupported);
+  VLMGEN_CHECK(q.contains("config_groups") && q.at("config_groups").is_object() && !q.at("config_groups").empty(),
+               "{}: config_groups (an object of quantization groups) is missing", where);
+  bool first = true;
+  for (const auto& [group_name, group] : q.at("config_groups").items()) {
+    const std::string at = fmt::format("{}: config_groups.{}", where, quote_excerpt(group_name, 40));
+    VLMGEN_CHECK(group.is_object() && group.contains("weights") && group.at("weights").is_object(),
+                 "{}: weights (an object) is missing", at);
+    const Json& w = group.at("weights");
+    const int64_t bits =
+        w.contains("num_bits") && w.at("num_bits").is_number_integer() ? w.at("num_bits").get<int64_t>() : 0;
+    const std::string type = string_or(w, "type", "", at);
+    VLMGEN_CHECK(bits == 8 && type == "float", "{}: weights of {} bits of type '{}' are not supported; {}", at, bits,
+                 quote_excerpt(type, 20), kSupported);
+    const std::string strategy = string_or(w, "strategy", "tensor", at);
+    ScaleGranularity g;
+    std::array<int64_t, 2> block = {128, 128};
+    if (strategy == "tensor") {
+      g = ScaleGranularity::kPerTensor;
+    } else if (strategy == "channel") {
+      g = ScaleGranularity::kPerChannel;
+    } else if (strategy == "block") {
+      g = ScaleGranularity::kPerBlock;
+      VLMGEN_CHECK(w.contains("block_structure"), "{}: strategy 'block' needs block_structure", at);
+      block = block_of(w.at("block_structure"), at, "block_structure");
+    } else {
+      VLMGEN_FAIL("{}: weight strategy '{}' is not supported (tensor, channel or block)", at,
+                  quote_excerpt(strategy, 20));
+    }
+    if (group.contains("input_activations") && !group.at("input_activations").is_null()) {
+      const Json& a = group.at("input_activations");
+      const int64_t abits =
+          a.contains("num_bits") && a.at("num_bits").is_number_integer() ? a.at("num_bits").get<int64_t>() : 0;
+      VLMGEN_CHECK(abits == 8 && string_or(a, "type", "", at) == "float",
+                   "{}: input activations other than 8-bit float are not supported", at);
+    }
+    VLMGEN_CHECK(first || (g == s.granularity && block == s.block),
+                 "{}: the groups quantize weights differently ({} vs {}); vlmgen loads one scheme per checkpoint", at,
+                 strategy, s.algorithm);
+    s.granularity = g;
+    s.block = block;
+    s.algorithm = strategy;
+    first = false;
+  }
+  s.excluded = string_list(q, "ignore", where);
+  return s;
+}
+
+// Shell-wildcard match (ModelOpt's exclude_modules).
+bool glob_match(const std::string& pattern, const std::string& name) {
+  return ::fnmatch(pattern.c_str(), name.c_str(), 0) == 0;
+}
+
+}  // namespace
+
+const char* to_string(QuantFormat format) {
+  switch (format) {
+    case QuantFormat::kHfFineGrained: return "HF fine-grained FP8";
+    case QuantFormat::kModelOpt: return "ModelOpt FP8";
+    case QuantFormat::kCompressedTensors: return "compressed-tensors FP8";
+  }
+  return "?";
+}
+
+bool QuantizationScheme::is_excluded(const std::string& module) const {
+  for (const std::string& p : excluded) {
+    switch (format) {
+      case QuantFormat::kHfFineGrained:
+        if (module.find(p) != std::string::npos) return true;
+        break;
+      case QuantFormat::kModelOpt:
+        if (glob_match(p, module)) return true;
+        break;
+      case QuantFormat::kCompressedTensors:
+        if (p.rfind("re:", 0) == 0) {
+          try {
+            if (std::regex_match(module, std::regex(p.substr(3)))) return true;
+          } catch (const std::regex_error&) {
+            VLMGEN_FAIL("compressed-tensors ignore pattern '{}' is not a regular expression", quote_excerpt(p, 60));
+          }
+        } else if (module == p) {
+          return true;
+        }
+        break;
+    }
+  }
+  return false;
+}
+
+std::optional<QuantizationScheme> QuantizationScheme::from_json(const std::string& config_json,
+                                                                const std::string& hf_quant_json) {
+  if (!config_json.empty()) {
+    const Json config = detail::parse_json(config_json, "config.json");
+    if (config.is_object() && config.contains("quantization_config") && !config.at("quantization_config").is_null()) {
+      const Json& q = config.at("quantization_config");
+      const std::string where = "config.json quantization_config";
+      VLMGEN_CHECK(q.is_object(), "{} must be an object, got {}", where, detail::json_excerpt(q));
+      const std::string method = string_or(q, "quant_method", "", where);
+      if (method == "fp8") return hf_fine_grained(q, where);
+      if (method == "modelopt") return modelopt(q, where);
+      if (method == "compressed-tensors") return compressed_tensors(q, where);
+      VLMGEN_FAIL("{}: quant_method '{}' is not supported; {}", where, quote_excerpt(method, 40), kSupported);
+    }
+  }
+  if (!hf_quant_json.empty()) {
+    const Json hf = detail::parse_json(hf_quant_json, "hf_quant_config.json");
+    const std::string where = "hf_quant_config.json quantization";
+    VLMGEN_CHECK(hf.is_object() && hf.contains("quantization") && hf.at("quantization").is_object(),
+                 "hf_quant_config.json must hold a 'quantization' object");
+    return modelopt(hf.at("quantization"), where);
+  }
+  return std::nullopt;
+}
+
+std::optional<QuantizationScheme> QuantizationScheme::from_checkpoint(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const fs::path root(dir);
+  const std::string config =
+      read_regular_file((root / "config.json").string(), "config file", kMaxQuantConfigBytes * 16);
+  std::string hf_quant;
+  std::error_code ec;
+  if (fs::exists(root / "hf_quant_config.json", ec)) {
+    hf_quant =
+        read_regular_file((root / "hf_quant_config.json").string(), "hf_quant_config.json", kMaxQuantConfigBytes);
+  }
+  try {
+    return from_json(config, hf_quant);
+  } catch (const Error& e) {
+    VLMGEN_FAIL("checkpoint {}: {}", dir, e.what());
+  }
+}
+
+std::vector<int64_t> QuantizationScheme::scale_shape(const std::vector<int64_t>& weight_shape) const {
+  switch (granularity) {
+    case ScaleGranularity::kPerTensor: return {};
+    case ScaleGranularity::kPerChannel: return {weight_shape.at(0)};
+    case ScaleGranularity::kPerBlock:
+      return {(weight_shape.at(0) + block[0] - 1) / block[0], (weight_shape.at(1) + block[1] - 1) / block[1]};
+  }
+  return {};
+}
+
+at::Tensor QuantizationScheme::dequantize(const at::Tensor& bytes, const at::Tensor& scale,
+                                          const std::string& name) const {
+  VLMGEN_CHECK(scale.defined() && at::isFloatingType(scale.scalar_type()),
+               "the scale of FP8 tensor {} must be a float tensor, got {}", name,
+               scale.defined() ? c10::toString(scale.scalar_type()) : "none");
+  const std::vector<int64_t> shape = bytes.sizes().vec();
+  VLMGEN_CHECK(granularity == ScaleGranularity::kPerTensor || shape.size() == 2,
+               "FP8 tensor {} is {}; {} scales ({}) need a 2-D weight", name, detail::shape_str(bytes),
+               granularity == ScaleGranularity::kPerBlock ? "per-block" : "per-channel", algorithm);
+  const std::vector<int64_t> want = scale_shape(shape);
+  at::Tensor s = scale.to(at::kCPU, at::kFloat);
+  // Producers write a per-tensor scale as [] or [1], and a per-channel one as [out] or [out, 1].
+  bool ok = s.sizes().vec() == want;
+  if (!ok && granularity == ScaleGranularity::kPerTensor) ok = s.numel() == 1 && s.dim() == 1;
+  if (!ok && granularity == ScaleGranularity::kPerChannel) ok = s.dim() == 2 && s.size(0) == shape[0] && s.size(1) == 1;
+  VLMGEN_CHECK(ok, "the scale of FP8 tensor {} ({}) is {} but {} {} scales need [{}]{}", name, detail::shape_str(bytes),
+               detail::shape_str(scale), to_string(format), algorithm, fmt::join(want, ", "),
+               granularity == ScaleGranularity::kPerBlock
+                   ? fmt::format(" (blocks of {} x {}, rounded up)", block[0], block[1])
+                   : std::string());
+  const auto [lo, hi] = at::aminmax(s);
+  const double min = lo.item<double>(), max = hi.item<double>();
+  VLMGEN_CHECK(std::isfinite(min) && std::isfinite(max) && min >= 0.0,
+               "the scale of FP8 tensor {} must be finite and >= 0, got values in [{}, {}]", name, min, max);
+  at::Tensor w = fp8_decode(bytes, fp8);
+  at::Tensor full_scale;
+  switch (granularity) {
+    case ScaleGranularity::kPerTensor: full_scale = s.reshape({}); break;
+    case ScaleGranularity::kPerChannel: full_scale = s.reshape({shape[0], 1}); break;
+    case ScaleGranularity::kPerBlock:
+      full_scale =
+          s.repeat_interleave(block[0], 0).narrow(0, 0, shape[0]).repeat_interleave(block[1], 1).narrow(1, 0, shape[1]);
+      break;
+  }
+  return scale_use == ScaleUse::kMultiply ? w * full_scale : w / full_scale;
+}
+
+// ---- the quantizer ---------------------------------------------------------------------------
+
+namespace {
+
+struct Quantized {
+  at::Tensor bytes;  // uint8 E4M3
+  at::Tensor scale;  // F32: [] per tensor, [rows/b0, cols/b1] per block
+};
+
+Quantized quantize_weight(const at::Tensor& weight, const QuantizeOptions& options) {
+  const at::Tensor w = weight.to(at::kCPU, at::kFloat).contiguous();
+  if (options.format == QuantFormat::kModelOpt) {
+    const float amax = w.abs().max().item<float>();
+    const float scale = amax > 0.0f ? amax / kE4M3Max : 1.0f;
+    return {fp8_encode_e4m3(w / scale), at::full({}, scale, at::kFloat)};
+  }
+  const int64_t rows = w.size(0), cols = w.size(1);
+  const int64_t b0 = options.block[0], b1 = options.block[1];
+  const int64_t gr = (rows + b0 - 1) / b0, gc = (cols + b1 - 1) / b1;
+  at::Tensor scale = at::empty({gr, gc}, at::kFloat);
+  auto sa = scale.accessor<float, 2>();
+  for (int64_t i = 0; i < gr; ++i) {
+    for (int64_t j = 0; j < gc; ++j) {
+      const at::Tensor block =
+          w.narrow(0, i * b0, std::min(b0, rows - i * b0)).narrow(1, j * b1, std::min(b1, cols - j * b1));
+      const float amax = block.abs().max().item<float>();
+      sa[i][j] = amax > 0.0f ? amax / kE4M3Max : 1.0f;
+    }
+  }
+  const at::Tensor expanded =
+      scale.repeat_interleave(b0, 0).narrow(0, 0, rows).repeat_interleave(b1, 1).narrow(1, 0, cols);
+  return {fp8_encode_e4m3(w / expanded), scale};
+}
+
+void write_text(const std::filesystem::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  VLMGEN_CHECK(out.good(), "cannot open {} for writing", path.string());
+  out << text;
+  out.close();
+  VLMGEN_CHECK(!out.fail(), "writing {} failed", path.string());
+}
+
+}  // namespace
+
+QuantizeReport quantize_checkpoint(const std::string& in_dir, const std::string& out_dir,
+                                   const QuantizeOptions& options) {
+  namespace fs = std::filesystem;
+  VLMGEN_CHECK(options.format == QuantFormat::kHfFineGrained || options.format == QuantFormat::kModelOpt,
+               "vlmgen-quantize writes the HF fine-grained (per block) or ModelOpt (per tensor) format, not {}",
+               to_string(options.format));
+  VLMGEN_CHECK(options.block[0] >= 1 && options.block[1] >= 1, "block size must be positive, got [{}, {}]",
+               options.block[0], options.block[1]);
+  const fs::path in(in_dir), out(out_dir);
+  std::error_code ec;
+  VLMGEN_CHECK(fs::weakly_canonical(in, ec) != fs::weakly_canonical(out, ec),
+               "the output folder must differ from the input folder ({})", in_dir);
+  const std::string config_text =
+      read_regular_file((in / "config.json").string(), "config file", kMaxQuantConfigBytes * 16);
+  Json config = detail::parse_json(config_text, "config.json");
+  VLMGEN_CHECK(config.is_object(), "{}/config.json must be a JSON object", in_dir);
+  VLMGEN_CHECK(!config.contains("quantization_config") && !fs::exists(in / "hf_quant_config.json", ec),
+               "checkpoint {} is already quantized; quantize an F32/F16/BF16 checkpoint", in_dir);
+  // A fresh folder only: stale shards, indexes or quantization files would mix with the new ones.
+  VLMGEN_CHECK(!fs::exists(out, ec) || (fs::is_directory(out, ec) && fs::is_empty(out, ec)),
+               "output folder {} exists and is not empty; give a new folder (or remove it)", out_dir);
+
+  // What stays in its dtype: the vision tower, the output head, the embedding unless asked;
+  // written as the format's own exclusion patterns, so a loader (vlmgen's or another) agrees.
+  std::vector<std::string> excluded;
+  if (options.format == QuantFormat::kHfFineGrained) {
+    excluded = {"lm_head", "visual"};
+    if (!options.quantize_embedding) excluded.push_back("embed_tokens");
+  } else {
+    excluded = {"lm_head", "*visual*"};
+    if (!options.quantize_embedding) excluded.push_back("*embed_tokens*");
+  }
+  QuantizationScheme scheme;
+  scheme.format = options.format;
+  scheme.excluded = excluded;
+
+  SafetensorsCheckpoint checkpoint(in_dir);
+  const std::vector<std::string> names = checkpoint.names();
+  std::map<std::string, at::Tensor> tensors;
+  std::map<std::string, Fp8Format> fp8;
+  QuantizeReport report;
+  report.bytes_in = checkpoint.data_bytes();
+  const std::string suffix = options.format == QuantFormat::kHfFineGrained ? "weight_scale_inv" : "weight_scale";
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::string& name = names[i];
+    const SafetensorsEntry& entry = checkpoint.entry(name);
+    VLMGEN_CHECK(!entry.fp8, "tensor {} of checkpoint {} is already FP8", name, in_dir);
+    const std::string module = ends_with(name, ".weight") ? name.substr(0, name.size() - 7) : name;
+    const bool quantize = ends_with(name, ".weight") && entry.shape.size() == 2 && at::isFloatingType(entry.dtype) &&
+                          name.find("norm") == std::string::npos && !scheme.is_excluded(module);
+    if (quantize) {
+      Quantized q = quantize_weight(checkpoint.tensor(name), options);
+      tensors[name] = q.bytes;
+      fp8[name] = Fp8Format::kE4M3;
+      tensors[module + "." + suffix] = q.scale;
+      ++report.quantized;
+    } else {
+      tensors[name] = checkpoint.tensor(name);
+      ++report.kept;
+    }
+    if (options.progress) options.progress(i + 1, names.size(), name, quantize);
+  }
+  VLMGEN_CHECK(report.quantized > 0, "checkpoint {} has no 2-D linear weight outside the excluded modules ({})", in_dir,
+               fmt::join(excluded, ", "));
+
+  fs::create_directories(out, ec);
+  VLMGEN_CHECK(!ec, "cannot create {}: {}", out_dir, ec.message());
+  // The folder's other files (tokenizer, preprocessor and chat settings, vocabularies).
+  for (const auto& item : fs::directory_iterator(in)) {
+    const std::string file = item.path().filename().string();
+    if (!item.is_regular_file() || file == "config.json" || ends_with(file, ".safetensors") ||
+        file == "model.safetensors.index.json")
+      continue;
+    fs::copy_file(item.path(), out / file, fs::copy_options::overwrite_existing, ec);
+    VLMGEN_CHECK(!ec, "cannot copy {} to {}: {}", item.path().string(), out_dir, ec.message());
+  }
+  const std::string version = fmt::format("{}.{}.{}", VLMGEN_VERSION_MAJOR, VLMGEN_VERSION_MINOR, VLMGEN_VERSION_PATCH);
+  if (options.format == QuantFormat::kHfFineGrained) {
+    config["quantization_config"] = {{"quant_method", "fp8"},
+                                     {"fmt", "e4m3"},
+                                     {"activation_scheme", "dynamic"},
+                                     {"weight_block_size", {options.block[0], options.block[1]}},
+                                     {"modules_to_not_convert", excluded}};
+  } else {
+    const Json quantization = {{"quant_algo", "FP8"}, {"kv_cache_quant_algo", nullptr}, {"exclude_modules", excluded}};
+    Json hf_quant = {{"producer", {{"name", "vlmgen-quantize"}, {"version", version}}}, {"quantization", quantization}};
+    write_text(out / "hf_quant_config.json", hf_quant.dump(2) + "\n");
+    Json q = quantization;
+    q["quant_method"] = "modelopt";
+    config["quantization_config"] = q;
+  }
+  write_text(out / "config.json", config.dump(2) + "\n");
+  save_safetensors((out / "model.safetensors").string(), tensors, {{"format", "pt"}}, fp8);
+  for (const auto& [name, t] : tensors) report.bytes_out += static_cast<int64_t>(t.nbytes());
+  return report;
+}
+
+}  // namespace vlmgen
