@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
       vlmgen::load_model(out);  // the written folder loads back (vlmgen::Error otherwise)
       fmt::print("loads back: ok\n");
     }
-  } catch (const vlmgen::Error& e) {
+  } catch (const std::exception& e) {
     fmt::print(stderr, "\nerror: {}\n", e.what());
     return 1;
   }

@@ -6,6 +6,7 @@
 #include <fnmatch.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -59,6 +60,22 @@ std::array<int64_t, 2> block_of(const Json& value, const std::string& where, con
   return block;
 }
 
+// compressed-tensors' "re:" patterns are Python regular expressions applied with re.match: anchored
+// at the start only. A leading (?i) (case-insensitive) is honoured; ECMAScript has no inline flags.
+std::regex python_match_regex(const std::string& pattern, const std::string& what) {
+  std::string body = pattern;
+  auto flags = std::regex::ECMAScript;
+  if (body.rfind("(?i)", 0) == 0) {
+    body = body.substr(4);
+    flags |= std::regex::icase;
+  }
+  try {
+    return std::regex("^(?:" + body + ")", flags);
+  } catch (const std::regex_error&) {
+    VLMGEN_FAIL("{} '{}' is not a regular expression vlmgen can read", what, quote_excerpt(pattern, 60));
+  }
+}
+
 const char* kSupported =
     "vlmgen loads FP8 weights in three formats: quant_method 'fp8' (HF fine-grained, per block), ModelOpt "
     "quant_algo FP8, FP8_PER_CHANNEL_PER_TOKEN or FP8_PB_WO, and compressed-tensors with 8-bit float weights";
@@ -71,16 +88,20 @@ QuantizationScheme hf_fine_grained(const Json& q, const std::string& where) {
   VLMGEN_CHECK(fmt_name == "e4m3" || fmt_name == "e5m2", "{}: fmt must be 'e4m3' or 'e5m2', got '{}'", where, fmt_name);
   s.fp8 = fmt_name == "e4m3" ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
   const std::string activations = string_or(q, "activation_scheme", "dynamic", where);
-  VLMGEN_CHECK(activations == "dynamic",
-               "{}: activation_scheme '{}' is not supported (it needs activation scales at run time, which vlmgen "
-               "does not apply); only 'dynamic'",
-               where, activations);
-  s.granularity = ScaleGranularity::kPerBlock;
+  VLMGEN_CHECK(activations == "dynamic" || activations == "static",
+               "{}: activation_scheme must be 'dynamic' or 'static', got '{}'", where, quote_excerpt(activations, 20));
   if (q.contains("weight_block_size") && !q.at("weight_block_size").is_null()) {
+    // HF's fine-grained FP8: a scale per block, named weight_scale_inv.
+    s.granularity = ScaleGranularity::kPerBlock;
     s.block = block_of(q.at("weight_block_size"), where, "weight_block_size");
+    s.scale_suffix = "weight_scale_inv";
+  } else {
+    // Without a block size (vLLM's and AutoFP8's "fp8"): one weight_scale per tensor.
+    s.granularity = ScaleGranularity::kPerTensor;
+    s.scale_suffix = "weight_scale";
   }
-  s.scale_suffix = "weight_scale_inv";
   s.excluded = string_list(q, "modules_to_not_convert", where);
+  for (const std::string& m : string_list(q, "ignored_layers", where)) s.excluded.push_back(m);
   return s;
 }
 
@@ -90,13 +111,19 @@ QuantizationScheme modelopt(const Json& q, const std::string& where) {
   VLMGEN_CHECK(q.contains("quant_algo") && q.at("quant_algo").is_string(), "{}: quant_algo (a string) is missing",
                where);
   s.algorithm = q.at("quant_algo").get<std::string>();
+  std::string algo = s.algorithm;
+  for (char& c : algo) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   s.scale_suffix = "weight_scale";
-  if (s.algorithm == "FP8") {
+  if (algo == "FP8") {
     s.granularity = ScaleGranularity::kPerTensor;
-  } else if (s.algorithm == "FP8_PER_CHANNEL_PER_TOKEN") {
+  } else if (algo == "FP8_PER_CHANNEL_PER_TOKEN") {
     s.granularity = ScaleGranularity::kPerChannel;
-  } else if (s.algorithm == "FP8_PB_WO") {
+  } else if (algo == "FP8_PB_WO") {
     s.granularity = ScaleGranularity::kPerBlock;
+    if (q.contains("group_size") && !q.at("group_size").is_null()) {  // square blocks, as ModelOpt records them
+      VLMGEN_CHECK(q.at("group_size").is_number_integer(), "{}: group_size must be an integer", where);
+      s.block = block_of(Json::array({q.at("group_size"), q.at("group_size")}), where, "group_size");
+    }
     for (const char* key : {"block_size", "weight_block_size"}) {
       if (q.contains(key) && !q.at(key).is_null()) s.block = block_of(q.at(key), where, key);
     }
@@ -104,6 +131,7 @@ QuantizationScheme modelopt(const Json& q, const std::string& where) {
     VLMGEN_FAIL("{}: ModelOpt quant_algo '{}' is not supported; {}", where, quote_excerpt(s.algorithm, 40), kSupported);
   }
   s.excluded = string_list(q, "exclude_modules", where);
+  for (const std::string& m : string_list(q, "ignore", where)) s.excluded.push_back(m);
   return s;
 }
 
@@ -159,6 +187,9 @@ QuantizationScheme compressed_tensors(const Json& q, const std::string& where) {
     first = false;
   }
   s.excluded = string_list(q, "ignore", where);
+  for (const std::string& p : s.excluded) {
+    if (p.rfind("re:", 0) == 0) python_match_regex(p.substr(3), where + ": ignore pattern");
+  }
   return s;
 }
 
@@ -189,10 +220,8 @@ bool QuantizationScheme::is_excluded(const std::string& module) const {
         break;
       case QuantFormat::kCompressedTensors:
         if (p.rfind("re:", 0) == 0) {
-          try {
-            if (std::regex_match(module, std::regex(p.substr(3)))) return true;
-          } catch (const std::regex_error&) {
-            VLMGEN_FAIL("compressed-tensors ignore pattern '{}' is not a regular expression", quote_excerpt(p, 60));
+          if (std::regex_search(module, python_match_regex(p.substr(3), "compressed-tensors ignore pattern"))) {
+            return true;
           }
         } else if (module == p) {
           return true;
@@ -212,6 +241,11 @@ std::optional<QuantizationScheme> QuantizationScheme::from_json(const std::strin
       const std::string where = "config.json quantization_config";
       VLMGEN_CHECK(q.is_object(), "{} must be an object, got {}", where, detail::json_excerpt(q));
       const std::string method = string_or(q, "quant_method", "", where);
+      // Older ModelOpt exports name the library, not a method; hf_quant_config.json says the rest.
+      if (method.empty() && string_or(q, "quant_library", "", where) == "modelopt") {
+        if (!hf_quant_json.empty()) return from_json("", hf_quant_json);
+        return modelopt(q, where);
+      }
       if (method == "fp8") return hf_fine_grained(q, where);
       if (method == "modelopt") return modelopt(q, where);
       if (method == "compressed-tensors") return compressed_tensors(q, where);
@@ -269,28 +303,39 @@ at::Tensor QuantizationScheme::dequantize(const at::Tensor& bytes, const at::Ten
   at::Tensor s = scale.to(at::kCPU, at::kFloat);
   // Producers write a per-tensor scale as [] or [1], and a per-channel one as [out] or [out, 1].
   bool ok = s.sizes().vec() == want;
-  if (!ok && granularity == ScaleGranularity::kPerTensor) ok = s.numel() == 1 && s.dim() == 1;
+  if (!ok && granularity == ScaleGranularity::kPerTensor) ok = s.numel() == 1;
   if (!ok && granularity == ScaleGranularity::kPerChannel) ok = s.dim() == 2 && s.size(0) == shape[0] && s.size(1) == 1;
   VLMGEN_CHECK(ok, "the scale of FP8 tensor {} ({}) is {} but {} {} scales need [{}]{}", name, detail::shape_str(bytes),
                detail::shape_str(scale), to_string(format), algorithm, fmt::join(want, ", "),
                granularity == ScaleGranularity::kPerBlock
                    ? fmt::format(" (blocks of {} x {}, rounded up)", block[0], block[1])
                    : std::string());
+  at::Tensor w = fp8_decode(bytes, fp8);
+  if (s.numel() == 0 || w.numel() == 0) return w;
   const auto [lo, hi] = at::aminmax(s);
   const double min = lo.item<double>(), max = hi.item<double>();
   VLMGEN_CHECK(std::isfinite(min) && std::isfinite(max) && min >= 0.0,
                "the scale of FP8 tensor {} must be finite and >= 0, got values in [{}, {}]", name, min, max);
-  at::Tensor w = fp8_decode(bytes, fp8);
-  at::Tensor full_scale;
+  auto apply = [&](at::Tensor part, const at::Tensor& k) {
+    if (scale_use == ScaleUse::kMultiply) {
+      part.mul_(k);
+    } else {
+      part.div_(k);
+    }
+  };
   switch (granularity) {
-    case ScaleGranularity::kPerTensor: full_scale = s.reshape({}); break;
-    case ScaleGranularity::kPerChannel: full_scale = s.reshape({shape[0], 1}); break;
+    case ScaleGranularity::kPerTensor: apply(w, s.reshape({})); break;
+    case ScaleGranularity::kPerChannel: apply(w, s.reshape({shape[0], 1})); break;
     case ScaleGranularity::kPerBlock:
-      full_scale =
-          s.repeat_interleave(block[0], 0).narrow(0, 0, shape[0]).repeat_interleave(block[1], 1).narrow(1, 0, shape[1]);
+      // One strip of block rows at a time: the scales are expanded along the columns only, so no
+      // weight-sized scale tensor is ever made.
+      for (int64_t i = 0; i * block[0] < shape[0]; ++i) {
+        const int64_t rows = std::min(block[0], shape[0] - i * block[0]);
+        apply(w.narrow(0, i * block[0], rows), s[i].repeat_interleave(block[1]).narrow(0, 0, shape[1]));
+      }
       break;
   }
-  return scale_use == ScaleUse::kMultiply ? w * full_scale : w / full_scale;
+  return w;
 }
 
 // ---- the quantizer ---------------------------------------------------------------------------
@@ -343,8 +388,8 @@ QuantizeReport quantize_checkpoint(const std::string& in_dir, const std::string&
   VLMGEN_CHECK(options.format == QuantFormat::kHfFineGrained || options.format == QuantFormat::kModelOpt,
                "vlmgen-quantize writes the HF fine-grained (per block) or ModelOpt (per tensor) format, not {}",
                to_string(options.format));
-  VLMGEN_CHECK(options.block[0] >= 1 && options.block[1] >= 1, "block size must be positive, got [{}, {}]",
-               options.block[0], options.block[1]);
+  VLMGEN_CHECK(options.block[0] >= 1 && options.block[1] >= 1 && options.block[0] <= 65536 && options.block[1] <= 65536,
+               "block size must be two integers in [1, 65536], got [{}, {}]", options.block[0], options.block[1]);
   const fs::path in(in_dir), out(out_dir);
   std::error_code ec;
   VLMGEN_CHECK(fs::weakly_canonical(in, ec) != fs::weakly_canonical(out, ec),
@@ -361,20 +406,31 @@ QuantizeReport quantize_checkpoint(const std::string& in_dir, const std::string&
 
   // What stays in its dtype: the vision tower, the output head, the embedding unless asked;
   // written as the format's own exclusion patterns, so a loader (vlmgen's or another) agrees.
-  std::vector<std::string> excluded;
-  if (options.format == QuantFormat::kHfFineGrained) {
-    excluded = {"lm_head", "visual"};
-    if (!options.quantize_embedding) excluded.push_back("embed_tokens");
-  } else {
-    excluded = {"lm_head", "*visual*"};
-    if (!options.quantize_embedding) excluded.push_back("*embed_tokens*");
+  SafetensorsCheckpoint checkpoint(in_dir);
+  const std::vector<std::string> names = checkpoint.names();
+  // The module prefixes of those parts as this checkpoint spells them (visual. or model.visual.,
+  // model.embed_tokens or model.language_model.embed_tokens): full prefixes match under every
+  // rule readers use (substring, start-anchored or wildcard).
+  std::vector<std::string> excluded = {"lm_head"};
+  auto add_prefix = [&](const std::string& prefix) {
+    for (const std::string& name : names) {
+      if (name.rfind(prefix + ".", 0) == 0 || name == prefix + ".weight") {
+        if (std::find(excluded.begin(), excluded.end(), prefix) == excluded.end()) excluded.push_back(prefix);
+        return;
+      }
+    }
+  };
+  for (const char* p : {"visual", "model.visual"}) add_prefix(p);
+  if (!options.quantize_embedding) {
+    for (const char* p : {"model.embed_tokens", "model.language_model.embed_tokens"}) add_prefix(p);
+  }
+  if (options.format == QuantFormat::kModelOpt) {
+    for (std::string& p : excluded) p = p == "lm_head" ? p : p + "*";
   }
   QuantizationScheme scheme;
   scheme.format = options.format;
   scheme.excluded = excluded;
 
-  SafetensorsCheckpoint checkpoint(in_dir);
-  const std::vector<std::string> names = checkpoint.names();
   std::map<std::string, at::Tensor> tensors;
   std::map<std::string, Fp8Format> fp8;
   QuantizeReport report;
@@ -385,7 +441,8 @@ QuantizeReport quantize_checkpoint(const std::string& in_dir, const std::string&
     const SafetensorsEntry& entry = checkpoint.entry(name);
     VLMGEN_CHECK(!entry.fp8, "tensor {} of checkpoint {} is already FP8", name, in_dir);
     const std::string module = ends_with(name, ".weight") ? name.substr(0, name.size() - 7) : name;
-    const bool quantize = ends_with(name, ".weight") && entry.shape.size() == 2 && at::isFloatingType(entry.dtype) &&
+    const bool quantize = ends_with(name, ".weight") && entry.shape.size() == 2 && entry.shape[0] > 0 &&
+                          entry.shape[1] > 0 && at::isFloatingType(entry.dtype) &&
                           name.find("norm") == std::string::npos && !scheme.is_excluded(module);
     if (quantize) {
       Quantized q = quantize_weight(checkpoint.tensor(name), options);

@@ -65,8 +65,10 @@ at::Tensor read_fp8_weight(const SafetensorsCheckpoint& checkpoint, const std::s
                "tensor {} in checkpoint {} is {} but the checkpoint declares no quantization (config.json "
                "quantization_config or hf_quant_config.json), so its scales cannot be read",
                name, dir, fp8_dtype_name(format));
-  const std::string module =
-      name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0 ? name.substr(0, name.size() - 7) : name;
+  VLMGEN_CHECK(name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0,
+               "tensor {} in checkpoint {} is {}, but vlmgen reads FP8 only for weights (X.weight with a scale)", name,
+               dir, fp8_dtype_name(format));
+  const std::string module = name.substr(0, name.size() - 7);
   VLMGEN_CHECK(!quantization->is_excluded(module),
                "tensor {} in checkpoint {} is {} but the checkpoint's {} excludes module {} from quantization", name,
                dir, fp8_dtype_name(format), to_string(quantization->format), module);

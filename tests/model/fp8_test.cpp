@@ -159,6 +159,27 @@ TEST(Fp8Schemes, EachFormatMapsToOneDescription) {
   EXPECT_EQ(c->scale_suffix, "weight_scale");
 
   EXPECT_FALSE(QuantizationScheme::from_json(R"({"model_type": "qwen2_vl"})", "").has_value());
+
+  // "fp8" without a block size (vLLM, AutoFP8): one weight_scale per tensor; ignored_layers.
+  auto vllm = QuantizationScheme::from_json(
+      R"({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers":
+      ["lm_head"]}})",
+      "");
+  EXPECT_EQ(vllm->granularity, ScaleGranularity::kPerTensor);
+  EXPECT_EQ(vllm->scale_suffix, "weight_scale");
+  EXPECT_TRUE(vllm->is_excluded("lm_head"));
+  // An older ModelOpt export's own config.json entry (quant_library, no quant_method) defers to
+  // hf_quant_config.json; a newer one lists exclusions under "ignore".
+  auto library = QuantizationScheme::from_json(R"({"quantization_config": {"quant_library": "modelopt"}})",
+                                               R"({"quantization": {"quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}})");
+  EXPECT_EQ(library->granularity, ScaleGranularity::kPerChannel);
+  auto ignore = QuantizationScheme::from_json(
+      R"({"quantization_config": {"quant_method": "modelopt", "quant_algo": "fp8_pb_wo", "group_size": 64,
+      "ignore": ["lm_head", "model.visual*"]}})",
+      "");
+  EXPECT_EQ(ignore->granularity, ScaleGranularity::kPerBlock);
+  EXPECT_EQ(ignore->block, (std::array<int64_t, 2>{64, 64}));
+  EXPECT_TRUE(ignore->is_excluded("model.visual.blocks.0.attn.qkv"));
 }
 
 void expect_refused(const std::string& config, const std::string& hf_quant, const std::string& named) {
@@ -174,8 +195,11 @@ TEST(Fp8Schemes, SchemesVlmgenCannotLoadFaithfullyAreErrorsNamingThem) {
   expect_refused("", R"({"quantization": {"quant_algo": "NVFP4"}})", "quant_algo 'NVFP4' is not supported");
   expect_refused("", R"({"quantization": {"quant_algo": "W4A16_AWQ"}})", "'W4A16_AWQ'");
   expect_refused(R"({"quantization_config": {"quant_method": "awq", "bits": 4}})", "", "quant_method 'awq'");
-  expect_refused(R"({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}})", "",
-                 "activation_scheme 'static'");
+  expect_refused(R"({"quantization_config": {"quant_method": "fp8", "activation_scheme": "sometimes"}})", "",
+                 "activation_scheme must be 'dynamic' or 'static'");
+  expect_refused(R"({"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"g":
+      {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}, "ignore": ["re:visual(["]}})",
+                 "", "ignore pattern 'visual([' is not a regular expression");
   expect_refused(R"({"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
       "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}}})",
                  "", "format 'pack-quantized'");
@@ -199,11 +223,13 @@ TEST(Fp8Schemes, ExclusionsFollowEachFormatsOwnMatchingRule) {
   EXPECT_TRUE(s.is_excluded("model.layers.1.mlp.up_proj"));
   EXPECT_FALSE(s.is_excluded("model.layers.10.mlp.up_proj"));
   EXPECT_FALSE(s.is_excluded("model.lm_head_extra"));
-  s.format = QuantFormat::kCompressedTensors;  // exact, or re: regular expression
-  s.excluded = {"lm_head", "re:.*visual.*"};
+  s.format = QuantFormat::kCompressedTensors;  // exact, or re: as Python's re.match (from the start)
+  s.excluded = {"lm_head", "re:.*visual.*", "re:(?i)MODEL\\.LAYERS\\.1\\."};
   EXPECT_TRUE(s.is_excluded("lm_head"));
   EXPECT_TRUE(s.is_excluded("model.visual.blocks.0.mlp.fc1"));
   EXPECT_FALSE(s.is_excluded("model.lm_head"));
+  EXPECT_TRUE(s.is_excluded("model.layers.1.mlp.up_proj"));     // anchored at the start, case folded
+  EXPECT_FALSE(s.is_excluded("x.model.layers.1.mlp.up_proj"));  // re.match does not search
 }
 
 // The dequantization rule on blocks computed by hand: w = decoded byte x its scale.
@@ -325,6 +351,18 @@ class Fp8CheckpointTest : public ::testing::TestWithParam<QwenFamily> {
       if (v.granularity == ScaleGranularity::kPerChannel) {
         scale = std::get<0>(t.abs().max(1, true)) / kE4M3Max;  // [out, 1]
         expanded = scale;
+      } else if (v.granularity == ScaleGranularity::kPerBlock) {
+        const int64_t b0 = v.block[0], b1 = v.block[1];
+        scale = at::empty({(t.size(0) + b0 - 1) / b0, (t.size(1) + b1 - 1) / b1});
+        expanded = at::empty_like(t);
+        for (int64_t i = 0; i < scale.size(0); ++i) {
+          for (int64_t j = 0; j < scale.size(1); ++j) {
+            const int64_t h = std::min(b0, t.size(0) - i * b0), w = std::min(b1, t.size(1) - j * b1);
+            const at::Tensor amax = t.narrow(0, i * b0, h).narrow(1, j * b1, w).abs().max();
+            scale[i][j] = amax / kE4M3Max;
+            expanded.narrow(0, i * b0, h).narrow(1, j * b1, w).fill_(amax / kE4M3Max);
+          }
+        }
       } else {
         scale = t.abs().max() / kE4M3Max;
         expanded = scale;
@@ -391,6 +429,26 @@ class Fp8CheckpointTest : public ::testing::TestWithParam<QwenFamily> {
          R"({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0":
             {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}},
             "ignore": ["lm_head", "re:.*visual.*"]})",
+         "weight_scale"},
+        {"ModelOpt FP8_PB_WO, square blocks of 32",
+         QuantFormat::kModelOpt,
+         ScaleGranularity::kPerBlock,
+         {32, 32},
+         R"({"quant_method": "modelopt", "quant_algo": "FP8_PB_WO", "group_size": 32, "ignore": ["lm_head"]})",
+         "weight_scale"},
+        {"compressed-tensors blocks of 24 x 40",
+         QuantFormat::kCompressedTensors,
+         ScaleGranularity::kPerBlock,
+         {24, 40},
+         R"({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0":
+            {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+            "block_structure": [24, 40]}}}, "ignore": ["lm_head"]})",
+         "weight_scale"},
+        {"vLLM fp8 per tensor (no block size)",
+         QuantFormat::kHfFineGrained,
+         ScaleGranularity::kPerTensor,
+         {1, 1},
+         R"({"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ["lm_head"]})",
          "weight_scale"},
         {"compressed-tensors per tensor",
          QuantFormat::kCompressedTensors,
@@ -507,8 +565,12 @@ TEST_P(Fp8CheckpointTest, QuantizerScalesAreAmaxOver448AndErrorsStayWithinHalfAS
   auto scheme = QuantizationScheme::from_checkpoint(dir("modelopt"));
   ASSERT_TRUE(scheme.has_value());
   EXPECT_EQ(scheme->algorithm, "FP8");
-  EXPECT_TRUE(scheme->is_excluded("model.visual.blocks.0.attn.qkv"));
+  EXPECT_TRUE(scheme->is_excluded("visual.blocks.0.attn.qkv"));  // this checkpoint spells it visual.*
+  EXPECT_FALSE(scheme->is_excluded("model.layers.0.mlp.up_proj"));
 
+  QuantizeOptions huge;
+  huge.block = {4000000000000, 1};
+  EXPECT_THROW(quantize_checkpoint(dir("f32"), dir("huge"), huge), Error);
   // Refused without writing: an FP8 input, and an output folder that already holds files.
   EXPECT_THROW(quantize_checkpoint(dir("modelopt"), dir("again")), Error);
   EXPECT_FALSE(std::filesystem::exists(dir("again")));

@@ -5,9 +5,12 @@
 //   HF fine-grained FP8 (config.json quantization_config: quant_method "fp8", weight_block_size
 //     [128, 128], modules_to_not_convert): `X.weight` F8_E4M3, `X.weight_scale_inv` F32 with one
 //     scale per block ([ceil(out/128), ceil(in/128)]) — the official Qwen3-VL FP8 releases.
-//   ModelOpt FP8 (hf_quant_config.json, or quantization_config with quant_method "modelopt";
-//     quant_algo FP8 | FP8_PER_CHANNEL_PER_TOKEN | FP8_PB_WO, exclude_modules): `X.weight_scale`
-//     per tensor, per output channel or per block, `X.input_scale` for FP8.
+//     Without weight_block_size (vLLM's and AutoFP8's "fp8"; ignored_layers): one `X.weight_scale`
+//     per tensor.
+//   ModelOpt FP8 (hf_quant_config.json, or quantization_config with quant_method "modelopt" or
+//     quant_library "modelopt"; quant_algo FP8 | FP8_PER_CHANNEL_PER_TOKEN | FP8_PB_WO with
+//     group_size, exclude_modules or ignore): `X.weight_scale` per tensor, per output channel or
+//     per block, `X.input_scale` for FP8.
 //   compressed-tensors (quant_method "compressed-tensors", format float-quantized, config_groups
 //     with 8-bit float weights, strategy tensor | channel | block, ignore): `X.weight_scale`.
 //
@@ -48,7 +51,8 @@ struct QuantizationScheme {
 
   /// Module patterns the checkpoint keeps unquantized, in the format's own matching rule: HF
   /// matches a pattern anywhere in the module name, ModelOpt with shell wildcards (fnmatch),
-  /// compressed-tensors by exact name or, with a "re:" prefix, by regular expression.
+  /// compressed-tensors by exact name or, with a "re:" prefix, by a regular expression matched
+  /// from the start of the name (Python's re.match).
   std::vector<std::string> excluded;
   bool is_excluded(const std::string& module) const;
 
@@ -63,7 +67,7 @@ struct QuantizationScheme {
   std::vector<int64_t> scale_shape(const std::vector<int64_t>& weight_shape) const;
 
   /// Float32 weights from FP8 bytes ([rows, cols], or any shape per tensor) and their scale.
-  /// Checks the scale's shape and values (finite, > 0), naming `name`.
+  /// Checks the scale's shape and values (finite, >= 0), naming `name`.
   at::Tensor dequantize(const at::Tensor& bytes, const at::Tensor& scale, const std::string& name) const;
 };
 
