@@ -16,18 +16,6 @@ import time
 import vlmgen
 
 
-class Delegating:
-    def __init__(self, inner):
-        self.inner = inner
-        self.traits = inner.traits
-
-    def forward(self, args):
-        return self.inner.forward(args)
-
-    def plan_positions(self, input_ids, attention_mask, vision):
-        return self.inner.plan_positions(input_ids, attention_mask, vision)
-
-
 def per_call_us(generator, prompt, config):
     start = time.perf_counter()
     result = generator.generate([prompt], config)
@@ -46,7 +34,7 @@ def main():
         model = vlmgen.load_model(folder)
     prompt = list(range(1, 17))
     config = vlmgen.GenerationConfig(max_new_tokens=args.tokens)
-    direct, seam = vlmgen.Generator(model), vlmgen.Generator(Delegating(model))
+    direct, seam = vlmgen.Generator(model), vlmgen.Generator(vlmgen.testing.DelegatingModel(model))
     per_call_us(direct, prompt, config)  # warm-up
     per_call_us(seam, prompt, config)
     cpp, py = [], []

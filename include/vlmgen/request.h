@@ -39,6 +39,9 @@ struct TokenEvent {
   int64_t token = 0;
   float logprob = 0.0f;  ///< log-probability of `token` (0 unless return_logprobs is on)
   FinishReason finish_reason = FinishReason::kNotFinished;  ///< set when this token ends the row
+  /// The top_logprobs() most likely tokens at this step and their log-probabilities, most likely
+  /// first (empty unless GenerationConfig::top_logprobs > 0).
+  std::vector<std::pair<int64_t, float>> top_logprobs;
 };
 
 /// Called for every token of every row, in order. Return false to cancel that row (it finishes

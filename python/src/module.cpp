@@ -625,6 +625,8 @@ void bind_results(py::module_& m) {
       .def_readonly("step", &TokenEvent::step)
       .def_readonly("token", &TokenEvent::token)
       .def_readonly("logprob", &TokenEvent::logprob)
+      .def_readonly("top_logprobs", &TokenEvent::top_logprobs,
+                    "(token, logprob) of the most likely tokens at this step")
       .def_property_readonly(
           "finish_reason", [](const TokenEvent& e) { return finish_reason_or_none(e.finish_reason); },
           "None, or why this token ends the row: 'end-id', 'stop', 'length', 'cancelled'")

@@ -169,7 +169,8 @@ void bind_vision(py::module_& m) {
         for (const auto& name : file.names()) out[name] = file.tensor(name);
         return out;
       },
-      py::arg("path"), "Reads every tensor of a safetensors file into a dict.");
+      py::arg("path"),
+      "Reads every tensor of a safetensors file into a dict (F8_E4M3/F8_E5M2 tensors come as their uint8 bytes).");
 }
 
 void bind_text(py::module_& m) {

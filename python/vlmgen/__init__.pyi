@@ -166,6 +166,7 @@ class TokenEvent:
     step: int
     token: int
     logprob: float
+    top_logprobs: list[tuple[int, float]]
     finish_reason: Optional[str]
 
 class SequenceOutput:

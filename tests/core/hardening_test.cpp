@@ -294,6 +294,33 @@ TEST(Scores, TopLogprobsAndLogitsAreThoseEachTokenWasChosenFrom) {
   }
 }
 
+// A streaming caller gets each step's alternatives with its token, the same as the result's, for
+// every row of a ragged batch (rows end at different steps).
+TEST(Scores, EachTokenEventCarriesTheTopLogprobsOfItsStep) {
+  testing::FakeVlm model;
+  std::vector<TokenEvent> events;
+  GenerateRequest request({{5, 9, 2, 7}, {3, 4}});
+  request.on_token = [&](const TokenEvent& e) {
+    events.push_back(e);
+    return !(e.row == 1 && e.step == 1);  // row 1 stops early
+  };
+  auto out = Generator(model).generate(request, GenerationConfig().max_new_tokens(4).top_logprobs(2));
+  ASSERT_EQ(events.size(), 6u);
+  for (const TokenEvent& e : events) {
+    const auto& seq = out.sequences[static_cast<size_t>(e.row)];
+    ASSERT_LT(static_cast<size_t>(e.step), seq.top_logprobs.size());
+    EXPECT_EQ(e.top_logprobs, seq.top_logprobs[static_cast<size_t>(e.step)]) << "row " << e.row << " step " << e.step;
+    EXPECT_EQ(e.top_logprobs.size(), 2u);
+  }
+  std::vector<TokenEvent> plain;
+  request.on_token = [&](const TokenEvent& e) {
+    plain.push_back(e);
+    return true;
+  };
+  Generator(model).generate(request, GenerationConfig().max_new_tokens(2));
+  for (const TokenEvent& e : plain) EXPECT_TRUE(e.top_logprobs.empty());
+}
+
 TEST(Scores, TopLogprobsBeyondTheVocabularyIsRefused) {
   testing::FakeVlm model;
   EXPECT_THROW(Generator(model).generate({{{1, 2}}}, GenerationConfig().top_logprobs(65)), Error);

@@ -139,6 +139,11 @@ def test_streaming_yields_the_tokens_of_generate_and_closing_cancels():
     assert [e.step for e in events] == list(range(8))
     assert events[-1].finish_reason == "length" and events[0].finish_reason is None
     assert [e.logprob for e in events] == pytest.approx(expected.sequences[0].logprobs)
+    top = vlmgen.GenerationConfig(max_new_tokens=4, top_logprobs=3, return_logprobs=True)
+    with_top = generator.generate([prompt], top, vision=vision_for([GRID]))
+    top_events = list(generator.stream([prompt], top, vision=vision_for([GRID])))
+    assert [e.top_logprobs for e in top_events] == with_top.sequences[0].top_logprobs
+    assert all(len(e.top_logprobs) == 3 for e in top_events)
     assert stream.result.tokens == expected.tokens
 
     long_config = vlmgen.GenerationConfig(max_new_tokens=200)

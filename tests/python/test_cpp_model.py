@@ -49,20 +49,6 @@ def test_the_cpp_model_gives_the_same_tokens_from_python_as_from_cpp(checkpoint,
         from_python.sequences[0].prompt_logprobs[1:], abs=1e-4)
 
 
-class Delegating:
-    """A Python model whose forward is the C++ model's: the seam costs only the call."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.traits = inner.traits
-
-    def forward(self, args):
-        return self.inner.forward(args)
-
-    def plan_positions(self, input_ids, attention_mask, vision):
-        return self.inner.plan_positions(input_ids, attention_mask, vision)
-
-
 def test_a_python_model_may_delegate_to_a_cpp_model_kv_cache_included(checkpoint):
     model = vlmgen.load_model(checkpoint)
     vision = vlmgen.preprocess_images([IMAGE_FILE], checkpoint=checkpoint, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
@@ -70,7 +56,7 @@ def test_a_python_model_may_delegate_to_a_cpp_model_kv_cache_included(checkpoint
     prompt = [5, VISION_START] + [IMAGE] * count + [VISION_END, 6]
     config = vlmgen.GenerationConfig(max_new_tokens=NEW_TOKENS, return_logprobs=True)
     direct = vlmgen.Generator(model).generate([prompt], config, vision=vision)
-    spy = vlmgen.testing.ForwardSpy(Delegating(model))
+    spy = vlmgen.testing.ForwardSpy(vlmgen.testing.DelegatingModel(model))
     wrapped = vlmgen.Generator(spy).generate([prompt], config, vision=vision)
     assert wrapped.tokens == direct.tokens
     assert wrapped.sequences[0].logprobs == pytest.approx(direct.sequences[0].logprobs, abs=1e-6)

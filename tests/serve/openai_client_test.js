@@ -24,13 +24,14 @@ function check(ok, what, detail) {
 
 async function streamed(body) {
   const stream = await client.chat.completions.create({ ...body, stream: true, stream_options: { include_usage: true } });
-  const out = { text: '', role: null, finish: null, usage: null, chunks: 0 };
+  const out = { text: '', role: null, finish: null, usage: null, chunks: 0, logprobs: [] };
   for await (const chunk of stream) {
     out.chunks++;
     if (chunk.usage) out.usage = chunk.usage;
     for (const choice of chunk.choices) {
       if (choice.delta.role) out.role = choice.delta.role;
       if (choice.delta.content) out.text += choice.delta.content;
+      if (choice.logprobs && choice.logprobs.content) out.logprobs.push(...choice.logprobs.content);
       if (choice.finish_reason) out.finish = choice.finish_reason;
     }
   }
@@ -129,7 +130,17 @@ async function main() {
     check(e.logprob <= 0 && e.top_logprobs.length === 2 && Math.abs(e.top_logprobs[0].logprob - e.logprob) < 1e-4,
           'greedy: the chosen token is the most likely one', e);
   }
-  console.log('OK logprobs');
+  // Streamed: the same entries, top alternatives included, spread over the chunks.
+  const slp = await streamed({ ...greedy, logprobs: true, top_logprobs: 2 });
+  check(slp.logprobs.length === content.length, 'streamed: one logprob entry per token', slp.logprobs.length);
+  for (let i = 0; i < content.length; i++) {
+    const a = content[i], b = slp.logprobs[i];
+    check(a.token === b.token && Math.abs(a.logprob - b.logprob) < 1e-6 && b.top_logprobs.length === 2 &&
+          b.top_logprobs.every((t, j) => t.token === a.top_logprobs[j].token &&
+                                         Math.abs(t.logprob - a.top_logprobs[j].logprob) < 1e-6),
+          'streamed logprobs and top_logprobs equal the non-streamed ones', { i, a, b });
+  }
+  console.log('OK logprobs (streamed too)');
 
   // 5. Load: 64 requests from 16 at a time, mixed, each equal to its single-request result.
   const variants = [

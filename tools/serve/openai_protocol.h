@@ -302,9 +302,6 @@ inline ChatRequest parse_chat_request(const Json& body, const RequestLimits& lim
   r.logprobs = boolean(body, "logprobs", "logprobs");
   if (auto top = integer("top_logprobs", 0, limits.max_top_logprobs)) {
     if (!r.logprobs) throw ApiError(400, "'top_logprobs' needs logprobs: true", "top_logprobs");
-    if (r.stream && *top > 0) {
-      throw ApiError(400, "'top_logprobs' above 0 is served without stream only", "top_logprobs");
-    }
     r.top_logprobs = *top;
   }
   for (const char* unsupported : {"tools", "tool_choice", "functions", "response_format", "logit_bias"}) {

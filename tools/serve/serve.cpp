@@ -127,6 +127,8 @@ struct Completion {
     if (want_logprobs) {
       Json entry = logprob_json(tokenizer, e.token, e.logprob);
       entry["top_logprobs"] = Json::array();
+      for (const auto& [token, lp] : e.top_logprobs)
+        entry["top_logprobs"].push_back(logprob_json(tokenizer, token, lp));
       logprobs.push_back(std::move(entry));
     }
     if (hit) stop_hit = true;
@@ -393,15 +395,7 @@ class Server {
                    {"message", {{"role", "assistant"}, {"content", c->text}}},
                    {"finish_reason", finish_reason(*c, out.finish_reason)},
                    {"logprobs", Json()}};
-    if (chat.logprobs) {
-      Json content = c->logprobs;
-      for (size_t i = 0; i < content.size() && i < out.top_logprobs.size(); ++i) {
-        for (const auto& [token, lp] : out.top_logprobs[i]) {
-          content[i]["top_logprobs"].push_back(logprob_json(*tokenizer_, token, lp));
-        }
-      }
-      choice["logprobs"] = {{"content", content}};
-    }
+    if (chat.logprobs) choice["logprobs"] = {{"content", c->logprobs}};  // top alternatives came with each token
     const auto completion_tokens = static_cast<int64_t>(out.tokens.size());
     Json body = {{"id", id},
                  {"object", "chat.completion"},

@@ -75,7 +75,9 @@ class SequenceState {
       ++taken;
       seq.finish_reason = finish_reason_after(token, static_cast<int64_t>(seq.tokens.size()), config_);
       if (on_token) {
-        const TokenEvent event{b, step, token, logprob, seq.finish_reason};
+        TokenEvent event{b, step, token, logprob, seq.finish_reason, {}};
+        // The scores of this step were recorded before the tokens were accepted.
+        if (seq.top_logprobs.size() == seq.tokens.size()) event.top_logprobs = seq.top_logprobs.back();
         if (!on_token(event) && seq.finish_reason == FinishReason::kNotFinished) {
           seq.finish_reason = FinishReason::kCancelled;
         }
