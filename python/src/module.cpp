@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -239,35 +240,51 @@ TokenCallback python_callback(const py::object& fn) {
 }
 
 // Tokens as they come, from a generate call running on its own thread.
+class TokenStream;
+
+// Streams still running when the interpreter exits are closed by an atexit hook, while threads can
+// still take the GIL (at finalization a thread that asks for it is ended, mid-generation).
+std::mutex g_streams_mutex;
+std::vector<std::weak_ptr<TokenStream>> g_streams;
+
 class TokenStream {
  public:
   TokenStream(std::shared_ptr<PyGenerator> generator, PyRequest request, GenerationConfig config)
-      : generator_(std::move(generator)), request_(std::move(request)) {
-    VLMGEN_CHECK(request_.on_token.is_none(), "a stream delivers the tokens itself; give no on_token");
-    worker_ = std::thread([this, config] {
+      : state_(std::make_shared<State>()) {
+    VLMGEN_CHECK(request.on_token.is_none(), "a stream delivers the tokens itself; give no on_token");
+    state_->generator = std::move(generator);
+    state_->request = std::move(request);
+    // The worker shares the state, so it stays valid even if the stream is dropped from the
+    // worker's own thread (by the model it runs).
+    worker_ = std::thread([state = state_, config]() mutable {
       try {
-        auto push = [this](const TokenEvent& event) {
+        auto push = [s = state.get()](const TokenEvent& event) {
           {
-            std::lock_guard<std::mutex> lock(mutex_);
-            queue_.push_back(event);
+            std::lock_guard<std::mutex> lock(s->mutex);
+            s->queue.push_back(event);
           }
-          ready_.notify_all();
-          return !cancel_.load();
+          s->ready.notify_all();
+          return !s->cancel.load();
         };
-        GenerationResult result = generator_->run(request_, config, push, &cancel_);
-        std::lock_guard<std::mutex> lock(mutex_);
-        result_ = std::move(result);
+        GenerationResult result = state->generator->run(state->request, config, push, &state->cancel);
+        std::lock_guard<std::mutex> lock(state->mutex);
+        state->result = std::move(result);
       } catch (abi::__forced_unwind&) {
         throw;  // the interpreter is ending this thread (shutdown): let it
       } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        error_ = std::current_exception();
+        std::lock_guard<std::mutex> lock(state->mutex);
+        state->error = std::current_exception();
       }
       {
-        std::lock_guard<std::mutex> lock(mutex_);
-        done_ = true;
+        std::lock_guard<std::mutex> lock(state->mutex);
+        state->done = true;
       }
-      ready_.notify_all();
+      state->ready.notify_all();
+      // Last owner (the stream was dropped): its Python objects go under the GIL.
+      if (state.use_count() == 1) {
+        py::gil_scoped_acquire gil;
+        state.reset();
+      }
     });
   }
   ~TokenStream() { close(); }
@@ -275,39 +292,54 @@ class TokenStream {
   TokenEvent next() {
     {
       py::gil_scoped_release release;
-      std::unique_lock<std::mutex> lock(mutex_);
-      ready_.wait(lock, [&] { return !queue_.empty() || done_; });
-      if (!queue_.empty()) {
-        TokenEvent event = queue_.front();
-        queue_.pop_front();
+      std::unique_lock<std::mutex> lock(state_->mutex);
+      state_->ready.wait(lock, [&] { return !state_->queue.empty() || state_->done; });
+      if (!state_->queue.empty()) {
+        TokenEvent event = std::move(state_->queue.front());
+        state_->queue.pop_front();
         return event;
       }
     }
     join();
-    if (error_) {
-      std::exception_ptr error = std::exchange(error_, nullptr);
-      std::rethrow_exception(error);
+    std::exception_ptr error;
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      error = std::exchange(state_->error, nullptr);
     }
+    if (error) std::rethrow_exception(error);
     throw py::stop_iteration();
   }
 
   // Stops the generation (between steps) and waits for its thread.
   void close() {
-    cancel_.store(true);
+    state_->cancel.store(true);
     join();
   }
 
   const GenerationResult& result() {
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      VLMGEN_CHECK(done_, "the stream has not finished; iterate it to the end (or close it) first");
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      VLMGEN_CHECK(state_->done, "the stream has not finished; iterate it to the end (or close it) first");
     }
     join();
-    VLMGEN_CHECK(result_.has_value(), "the stream ended with an error (its iteration raised it); it has no result");
-    return *result_;
+    VLMGEN_CHECK(state_->result.has_value(),
+                 "the stream ended with an error (its iteration raised it); it has no result");
+    return *state_->result;
   }
 
  private:
+  struct State {
+    std::shared_ptr<PyGenerator> generator;
+    PyRequest request;
+    std::atomic<bool> cancel{false};
+    std::mutex mutex;
+    std::condition_variable ready;
+    std::deque<TokenEvent> queue;
+    bool done = false;
+    std::exception_ptr error;
+    std::optional<GenerationResult> result;
+  };
+
   void join() {
     // The worker may need the GIL for a Python model: never wait for it holding the GIL.
     std::optional<py::gil_scoped_release> release;
@@ -315,22 +347,14 @@ class TokenStream {
     std::lock_guard<std::mutex> lock(join_mutex_);  // close() from one thread, next() from another
     if (!worker_.joinable()) return;
     if (worker_.get_id() == std::this_thread::get_id()) {
-      worker_.detach();  // the last reference was dropped by the stream's own model
+      worker_.detach();  // dropped by the model the stream runs: the worker finishes on its own
       return;
     }
     worker_.join();
   }
 
-  std::shared_ptr<PyGenerator> generator_;
-  PyRequest request_;
-  std::atomic<bool> cancel_{false};
-  std::mutex mutex_;
+  std::shared_ptr<State> state_;
   std::mutex join_mutex_;
-  std::condition_variable ready_;
-  std::deque<TokenEvent> queue_;
-  bool done_ = false;
-  std::exception_ptr error_;
-  std::optional<GenerationResult> result_;
   std::thread worker_;
 };
 
@@ -726,7 +750,14 @@ void bind_generator(py::module_& m) {
              std::optional<VisionInputs> vision, std::shared_ptr<ContextHandle> context,
              std::optional<at::Tensor> attention_mask) {
             PyRequest r = request_from(prompts, std::move(vision), std::move(context), py::none(), attention_mask);
-            return std::make_shared<TokenStream>(std::move(g), std::move(r), config.value_or(GenerationConfig()));
+            auto stream =
+                std::make_shared<TokenStream>(std::move(g), std::move(r), config.value_or(GenerationConfig()));
+            std::lock_guard<std::mutex> lock(g_streams_mutex);
+            g_streams.erase(
+                std::remove_if(g_streams.begin(), g_streams.end(), [](const auto& w) { return w.expired(); }),
+                g_streams.end());
+            g_streams.push_back(stream);
+            return stream;
           },
           py::arg("prompts"), py::arg("config") = py::none(), py::kw_only(), py::arg("vision") = py::none(),
           py::arg("context") = py::none(), py::arg("attention_mask") = py::none(),
@@ -793,6 +824,18 @@ void bind_testing(py::module_& m) {
       .def("clear", &OwningSpy::clear);
 }
 
+void close_streams_at_exit() {
+  std::vector<std::shared_ptr<TokenStream>> live;
+  {
+    std::lock_guard<std::mutex> lock(g_streams_mutex);
+    for (const auto& w : g_streams) {
+      if (auto stream = w.lock()) live.push_back(std::move(stream));
+    }
+    g_streams.clear();
+  }
+  for (const auto& stream : live) stream->close();
+}
+
 }  // namespace
 
 void bind_core(py::module_& m) {
@@ -804,6 +847,7 @@ void bind_core(py::module_& m) {
   bind_results(m);
   bind_generator(m);
   bind_testing(m);
+  py::module_::import("atexit").attr("register")(py::cpp_function(&close_streams_at_exit));
 }
 
 }  // namespace vlmgen::python

@@ -373,3 +373,39 @@ def test_the_type_stubs_name_what_the_module_has_and_the_api_has_docstrings():
                        vlmgen.ForwardArgs, vlmgen.InferenceContext.append_kv, vlmgen.testing.ForwardSpy,
                        vlmgen.load_model):
         assert documented.__doc__ and len(documented.__doc__) > 40, documented
+
+
+def test_a_stream_dropped_by_the_model_it_runs_ends_safely():
+    class Drops(Counting):
+        def forward(self, args):
+            self.stream = None  # the last reference, dropped on the stream's own thread
+            return super().forward(args)
+
+    model = Drops()
+    model.stream = vlmgen.Generator(model).stream([[1, 2]], vlmgen.GenerationConfig(max_new_tokens=50))
+    deadline = time.time() + 10
+    while model.calls == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    gc.collect()
+    assert model.stream is None and model.calls >= 1
+    assert len(vlmgen.Generator(Counting()).generate([[1]], vlmgen.GenerationConfig(max_new_tokens=2)).tokens[0]) == 2
+
+
+def test_a_stream_still_running_when_the_interpreter_exits_is_closed_cleanly():
+    script = """
+import time, torch, vlmgen
+class Slow:
+    traits = vlmgen.ModelTraits(vocab_size=10, supports_kv_cache=False)
+    def forward(self, args):
+        time.sleep(0.001)
+        return torch.zeros(args.input_ids.shape[0], args.input_ids.shape[1], 10)
+stream = vlmgen.Generator(Slow()).stream([[1, 2]], vlmgen.GenerationConfig(max_new_tokens=100000))
+for event in stream:
+    break
+print("exiting")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "exiting"
