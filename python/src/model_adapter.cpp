@@ -56,6 +56,44 @@ ModelTraits traits_from_python(py::handle value) {
   return value.cast<ModelTraits>();
 }
 
+ModelTraits traits_from_hf_config(const py::object& config, const std::string& model) {
+  // Text fields sit at the top (Qwen2-VL) or in text_config (Qwen2.5/3-VL in transformers >= 4.5x).
+  auto find = [&](const char* name) -> py::object {
+    py::object v = py::getattr(config, name, py::none());
+    if (v.is_none()) {
+      py::object text = py::getattr(config, "text_config", py::none());
+      if (!text.is_none()) v = py::getattr(text, name, py::none());
+    }
+    return v;
+  };
+  auto optional_id = [&](const char* name) -> std::optional<int64_t> {
+    py::object v = find(name);
+    if (v.is_none()) return std::nullopt;
+    try {
+      return v.cast<int64_t>();
+    } catch (const py::cast_error&) {
+      VLMGEN_FAIL("{}.config.{} must be an integer, got {}", model, name, type_name(v));
+    }
+  };
+  ModelTraits t;
+  const std::optional<int64_t> vocab = optional_id("vocab_size");
+  VLMGEN_CHECK(vocab.has_value(), "{}.config has no vocab_size (nor text_config.vocab_size); give `traits`", model);
+  t.vocab_size = *vocab;
+  t.image_token_id = optional_id("image_token_id");
+  t.vision_start_token_id = optional_id("vision_start_token_id");
+  t.vision_end_token_id = optional_id("vision_end_token_id");
+  t.video_token_id = optional_id("video_token_id");
+  py::object vision = py::getattr(config, "vision_config", py::none());
+  if (!vision.is_none()) {
+    py::object merge = py::getattr(vision, "spatial_merge_size", py::none());
+    if (!merge.is_none()) t.spatial_merge_size = merge.cast<int64_t>();
+  }
+  // The generator cannot know how a Python model caches: it recomputes the prefix every step, with
+  // every image each call needs. A model with its own KV cache gives traits with kv_cache.
+  t.supports_kv_cache = false;
+  return t;
+}
+
 PythonModel::PythonModel(py::object model) : model_(std::move(model)) {
   name_ = type_name(model_);
   VLMGEN_CHECK(py::hasattr(model_, "forward") && py::isinstance<py::function>(model_.attr("forward")),
@@ -65,14 +103,18 @@ PythonModel::PythonModel(py::object model) : model_(std::move(model)) {
   if (raw_traits == nullptr) {
     if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();
     PyErr_Clear();
-    VLMGEN_FAIL(
-        "a Python model needs `traits` (a vlmgen.ModelTraits or a dict with at least vocab_size, as an attribute "
-        "or a method); {} has none",
-        name_);
+    // An HF-style model says the same in its config.
+    py::object config = py::getattr(model_, "config", py::none());
+    VLMGEN_CHECK(!config.is_none(),
+                 "a Python model needs `traits` (a vlmgen.ModelTraits or a dict with at least vocab_size, as an "
+                 "attribute or a method) or an HF-style `config` with vocab_size; {} has neither",
+                 name_);
+    traits_ = traits_from_hf_config(config, name_);
+  } else {
+    py::object traits = py::reinterpret_steal<py::object>(raw_traits);
+    if (PyCallable_Check(traits.ptr()) && !py::isinstance<py::type>(traits)) traits = traits();
+    traits_ = traits_from_python(traits);
   }
-  py::object traits = py::reinterpret_steal<py::object>(raw_traits);
-  if (PyCallable_Check(traits.ptr()) && !py::isinstance<py::type>(traits)) traits = traits();
-  traits_ = traits_from_python(traits);
   VLMGEN_CHECK(traits_.vocab_size > 0, "{}.traits: vocab_size must be > 0, got {}", name_, traits_.vocab_size);
   VLMGEN_CHECK(
       !traits_.supports_kv_cache || traits_.kv_cache.num_kv_heads >= 1,

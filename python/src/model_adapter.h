@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -73,6 +74,10 @@ struct ArgsView {
 
 /// Model traits from a Python value: a vlmgen.ModelTraits, or a dict of its fields.
 ModelTraits traits_from_python(py::handle value);
+
+/// Traits from an HF-style `config` (vocab_size, image/vision token ids, at the top or in
+/// text_config; vision_config.spatial_merge_size), for a model without `traits`: no KV cache.
+ModelTraits traits_from_hf_config(const py::object& config, const std::string& model);
 
 /// Parses "float32", "torch.bfloat16", a torch.dtype, ... into a scalar type.
 at::ScalarType dtype_from_python(py::handle value);

@@ -118,7 +118,8 @@ Prompts = Union[Sequence[Sequence[int]], Sequence[torch.Tensor], torch.Tensor]
 
 class PythonModel(Protocol):
     """What Generator accepts besides a vlmgen.Model: `traits` (an attribute, or a method called
-    once) and forward. Optional: plan_positions, encode_images, device."""
+    once; without it, an HF-style `config` with vocab_size and the image token ids) and forward.
+    Optional: plan_positions, encode_images, device."""
     traits: Union[ModelTraits, dict[str, Any], Callable[[], Union[ModelTraits, dict[str, Any]]]]
     def forward(self, args: ForwardArgs) -> torch.Tensor: ...
 

@@ -409,3 +409,37 @@ print("exiting")
                           env=dict(os.environ))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "exiting"
+
+
+def test_an_hf_style_model_without_traits_gets_them_from_its_config():
+    from types import SimpleNamespace
+
+    from torch_qwen2_vl import C, V
+
+    class HfStyle(TorchQwen2VL):
+        def __init__(self):
+            super().__init__(kv_cache=False)
+            del self.traits
+            self.config = SimpleNamespace(
+                text_config=SimpleNamespace(vocab_size=C["vocab"]), image_token_id=C["image"],
+                vision_start_token_id=C["vs"], vision_end_token_id=C["ve"],
+                vision_config=SimpleNamespace(spatial_merge_size=V["merge"]))
+
+    prompt = image_prompt([1, 2], GRID, [3])
+    config = vlmgen.GenerationConfig(max_new_tokens=4)
+    spy = vlmgen.testing.ForwardSpy(HfStyle())
+    assert spy.traits.vocab_size == C["vocab"] and spy.traits.image_token_id == C["image"]
+    assert not spy.traits.supports_kv_cache and spy.traits.spatial_merge_size == V["merge"]
+    result = vlmgen.Generator(spy).generate([prompt], config, vision=vision_for([GRID]))
+    assert all(call.has_pixel_values() for call in spy.calls)  # no KV cache: the image on every call
+    expected = vlmgen.Generator(TorchQwen2VL(kv_cache=True)).generate([prompt], config, vision=vision_for([GRID]))
+    assert result.tokens == expected.tokens
+
+    class NoVocab:
+        config = SimpleNamespace(hidden_size=8)
+
+        def forward(self, args):
+            return None
+
+    with pytest.raises(vlmgen.Error, match="config has no vocab_size"):
+        vlmgen.Generator(NoVocab())
