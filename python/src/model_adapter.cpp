@@ -10,8 +10,6 @@ namespace vlmgen::python {
 
 namespace {
 
-std::string type_name(py::handle value) { return py::str(py::type::handle_of(value).attr("__name__")); }
-
 // Clears the flag that lends a context to one call, whatever way the call ends.
 struct LeaseGuard {
   std::shared_ptr<std::atomic<bool>> live;

@@ -27,6 +27,15 @@ namespace vlmgen::python {
 
 namespace py = pybind11;
 
+/// The name of a Python value's type, for messages.
+inline std::string type_name(py::handle value) { return py::str(py::type::handle_of(value).attr("__name__")); }
+
+/// An undefined tensor as None, a defined one as itself.
+inline std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
+  if (!t.defined()) return std::nullopt;
+  return t;
+}
+
 /// The Python `vlmgen.InferenceContext`: a context the caller owns, or one lent to a single
 /// forward call (then `live` turns false when that call returns, and any use after it raises).
 struct ContextHandle {

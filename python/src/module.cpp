@@ -26,8 +26,6 @@
 namespace vlmgen::python {
 namespace {
 
-std::string type_name(py::handle value) { return py::str(py::type::handle_of(value).attr("__name__")); }
-
 // ---- keyword arguments onto fields --------------------------------------------------------
 
 template <class T>
@@ -503,10 +501,6 @@ void bind_context(py::module_& m) {
 }
 
 void bind_forward_args(py::module_& m) {
-  auto opt = [](const at::Tensor& t) -> std::optional<at::Tensor> {
-    if (!t.defined()) return std::nullopt;
-    return t;
-  };
   py::class_<ArgsView, std::shared_ptr<ArgsView>>(
       m, "ForwardArgs",
       "What one forward call computes: the window of columns [window_start, window_end) of every row, its "
@@ -527,11 +521,14 @@ void bind_forward_args(py::module_& m) {
       .def_property_readonly(
           "last_column_logits", [](const ArgsView& a) { return a.args.last_column_logits; },
           "True: the generator reads only the last column; returning [B, 1, V] is enough")
-      .def_property_readonly("pixel_values", [opt](const ArgsView& a) { return opt(a.args.vision.pixel_values); })
-      .def_property_readonly("image_grid_thw", [opt](const ArgsView& a) { return opt(a.args.vision.image_grid_thw); })
-      .def_property_readonly("image_sizes", [opt](const ArgsView& a) { return opt(a.args.vision.image_sizes); })
+      .def_property_readonly("pixel_values",
+                             [](const ArgsView& a) { return defined_or_none(a.args.vision.pixel_values); })
+      .def_property_readonly("image_grid_thw",
+                             [](const ArgsView& a) { return defined_or_none(a.args.vision.image_grid_thw); })
+      .def_property_readonly("image_sizes",
+                             [](const ArgsView& a) { return defined_or_none(a.args.vision.image_sizes); })
       .def_property_readonly(
-          "image_embeddings", [opt](const ArgsView& a) { return opt(a.args.image_embeddings); },
+          "image_embeddings", [](const ArgsView& a) { return defined_or_none(a.args.image_embeddings); },
           "rows from encode_images (encoder cache) instead of pixel_values, or None")
       .def_property_readonly("vision", [](const ArgsView& a) { return a.args.vision; })
       .def_property_readonly(
@@ -665,10 +662,7 @@ void bind_results(py::module_& m) {
       .def_readonly("logprobs", &SequenceOutput::logprobs)
       .def_readonly("prompt_logprobs", &SequenceOutput::prompt_logprobs)
       .def_readonly("top_logprobs", &SequenceOutput::top_logprobs)
-      .def_property_readonly("logits", [](const SequenceOutput& s) -> std::optional<at::Tensor> {
-        if (!s.logits.defined()) return std::nullopt;
-        return s.logits;
-      });
+      .def_property_readonly("logits", [](const SequenceOutput& s) { return defined_or_none(s.logits); });
   py::class_<GenerationStats>(m, "GenerationStats")
       .def_readonly("used_kv_cache", &GenerationStats::used_kv_cache)
       .def_readonly("forward_calls", &GenerationStats::forward_calls)
@@ -790,16 +784,8 @@ void bind_testing(py::module_& m) {
                                return "?";
                              })
       .def_readonly("error", &testing::ForwardCall::error)
-      .def_property_readonly("input_ids",
-                             [](const testing::ForwardCall& c) -> std::optional<at::Tensor> {
-                               if (!c.input_ids.defined()) return std::nullopt;
-                               return c.input_ids;
-                             })
-      .def_property_readonly("logits",
-                             [](const testing::ForwardCall& c) -> std::optional<at::Tensor> {
-                               if (!c.logits.defined()) return std::nullopt;
-                               return c.logits;
-                             })
+      .def_property_readonly("input_ids", [](const testing::ForwardCall& c) { return defined_or_none(c.input_ids); })
+      .def_property_readonly("logits", [](const testing::ForwardCall& c) { return defined_or_none(c.logits); })
       .def_property_readonly("window_size", &testing::ForwardCall::window_size)
       .def("has_pixel_values", &testing::ForwardCall::has_pixel_values)
       .def("has_all_vision", &testing::ForwardCall::has_all_vision)

@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 
+#include "model_adapter.h"
 #include "module_parts.h"
 #include "vlmgen/detail/tensor_utils.h"
 #include "vlmgen/error.h"
@@ -22,11 +23,6 @@
 namespace vlmgen::python {
 namespace py = pybind11;
 namespace {
-
-std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
-  if (!t.defined()) return std::nullopt;
-  return t;
-}
 
 Image image_from_tensor(const at::Tensor& hwc, const std::string& what) {
   VLMGEN_CHECK(
@@ -45,7 +41,7 @@ Image image_from_tensor(const at::Tensor& hwc, const std::string& what) {
 Image image_from_python(py::handle value, const std::string& what) {
   if (py::isinstance<py::str>(value)) return load_image(value.cast<std::string>());
   VLMGEN_CHECK(THPVariable_Check(value.ptr()), "{} must be a file path or a [height, width, 3] uint8 tensor, got {}",
-               what, std::string(py::str(py::type::handle_of(value).attr("__name__"))));
+               what, type_name(value));
   return image_from_tensor(THPVariable_Unpack(value.ptr()), what);
 }
 
