@@ -3,6 +3,8 @@
 //   vlmgen-bench --report [--json out.json] [--quick] [--threads N]   one table of figures and ratios
 //   vlmgen-bench --tokenizer [--mb 10] [--rounds 3]     tokenizer vs the JS implementation
 //   vlmgen-bench --families [--rounds 3] [--threads N]   decode ms/token of the 100M LM per model family
+//   vlmgen-bench --speed [--rounds 3] [--threads N] [--json out.json]   decode/prefill/memory, f32 vs bf16
+//   vlmgen-bench --write-checkpoint DIR                  the 100M model as an HF checkpoint (for peers)
 //   vlmgen-bench [--benchmark_filter=...]               Google Benchmark micro benchmarks
 //
 // The report measures, in one run: KV-cache and no-cache decode time per token at several
@@ -29,6 +31,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench_models.h"
 #include "vlmgen/build_info.h"
 #include "vlmgen/detail/torch_compat.h"
 #include "vlmgen/generator.h"
@@ -84,70 +87,6 @@ class TimedModel : public CausalVlm {
   std::vector<double> forward_s_;
 };
 
-/// About 110M parameters in the language model: hidden 768, 12 layers, 12 heads (4 KV heads),
-/// SwiGLU 2048, vocab 16384 untied; a 4-block vision tower. Qwen2.5-VL: SwiGLU tower with
-/// 112-pixel windows; Qwen3-VL: q/k norms, no q/k/v bias, interleaved M-RoPE, a 32x32 position
-/// table and DeepStack after vision blocks 1-3.
-QwenVlConfig config_100m(QwenFamily family = QwenFamily::kQwen2Vl) {
-  QwenVlConfig c = QwenVlConfig::tiny(family);  // the family's switches; every size set below
-  c.hidden_size = 768;
-  c.num_hidden_layers = 12;
-  c.num_attention_heads = 12;
-  c.num_key_value_heads = 4;
-  c.head_dim = 64;
-  c.intermediate_size = 2048;
-  c.mrope_section = {8, 12, 12};
-  c.vocab_size = 16384;
-  c.max_position_embeddings = 8192;
-  c.rope_theta = 10000.0;
-  c.image_token_id = 16000;
-  c.video_token_id = 16001;
-  c.vision_start_token_id = 16002;
-  c.vision_end_token_id = 16003;
-  c.vision.depth = 4;
-  c.vision.embed_dim = 384;
-  c.vision.num_heads = 6;
-  c.vision.mlp_ratio = 4;
-  c.vision.patch_size = 14;
-  c.vision.temporal_patch_size = 2;
-  c.vision.spatial_merge_size = 2;
-  c.vision.hidden_size = 768;
-  c.vision.intermediate_size = 4 * 384;
-  if (family == QwenFamily::kQwen2_5Vl) {
-    c.vision.window_size = 112;
-    c.vision.fullatt_block_indexes = {3};
-  }
-  if (family == QwenFamily::kQwen3Vl) {
-    c.mrope_section = {12, 10, 10};
-    c.vision.num_position_embeddings = 1024;
-    c.vision.deepstack_visual_indexes = {1, 2, 3};
-  }
-  return c;
-}
-
-int64_t count_params(Qwen2Vl& m, bool language_only) {
-  int64_t n = 0;
-  for (auto& [name, t] : m.named_weights()) {
-    if (!language_only || name.rfind("visual.", 0) != 0) n += t->numel();
-  }
-  return n;
-}
-
-/// Bytes of weights one decode step reads: every LM matrix and norm, plus one embedding row.
-int64_t decode_weight_bytes(Qwen2Vl& m) {
-  int64_t bytes = 0;
-  for (auto& [name, t] : m.named_weights()) {
-    if (name.rfind("visual.", 0) == 0) continue;
-    if (name == "model.embed_tokens.weight") {
-      bytes += t->size(1) * static_cast<int64_t>(t->element_size());
-      continue;
-    }
-    bytes += t->numel() * static_cast<int64_t>(t->element_size());
-  }
-  if (m.tied_embeddings()) bytes += m.language_model().lm_head.nbytes();
-  return bytes;
-}
-
 /// Copy bandwidth in bytes/s (read + write) over a buffer far larger than the caches.
 double measure_copy_bandwidth() {
   at::Tensor src = at::rand({64 * 1024 * 1024}), dst = at::empty_like(src);  // 256 MB each
@@ -159,19 +98,6 @@ double measure_copy_bandwidth() {
     best = std::min(best, seconds_since(t));
   }
   return 2.0 * static_cast<double>(src.nbytes()) / best;
-}
-
-/// Plain text tokens: below every special id of the config.
-std::vector<int64_t> text_prompt(int64_t length, const QwenVlConfig& c, uint64_t seed) {
-  const int64_t limit =
-      std::min({c.vocab_size, c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id});
-  std::vector<int64_t> p(static_cast<size_t>(length));
-  uint64_t x = seed;
-  for (auto& t : p) {
-    x = x * 6364136223846793005ull + 1442695040888963407ull;
-    t = static_cast<int64_t>((x >> 33) % static_cast<uint64_t>(limit));
-  }
-  return p;
 }
 
 struct DecodeFigures {
@@ -403,15 +329,19 @@ BENCHMARK(BM_Greedy)->Arg(152064);
 
 int main(int argc, char** argv) {
   vlmgen::detail::prefer_passive_openmp_wait(argv);
-  bool report = false, quick = false, tokenizer = false, families = false;
+  bool report = false, quick = false, tokenizer = false, families = false, speed = false;
   int64_t megabytes = 10;
   int rounds = 3;
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  std::string json;
+  std::string json, checkpoint;
   std::vector<char*> rest = {argv[0]};
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--report") == 0) {
       report = true;
+    } else if (std::strcmp(argv[i], "--write-checkpoint") == 0 && i + 1 < argc) {
+      checkpoint = argv[++i];
+    } else if (std::strcmp(argv[i], "--speed") == 0) {
+      speed = true;
     } else if (std::strcmp(argv[i], "--families") == 0) {
       families = true;
     } else if (std::strcmp(argv[i], "--tokenizer") == 0) {
@@ -432,7 +362,16 @@ int main(int argc, char** argv) {
   }
   try {
     if (tokenizer) return vlmgen::bench::run_tokenizer_report(megabytes, rounds);
+    if (!checkpoint.empty()) {  // the 100M model of the reports, for peers (bench/llama_cpp_peer.sh)
+      vlmgen::QwenVl(vlmgen::bench::config_100m(), 1).save_checkpoint(checkpoint);
+      std::printf("wrote the 100M Qwen2-VL bench model (seed 1, float32) to %s\n", checkpoint.c_str());
+      return 0;
+    }
     if (report) return vlmgen::bench::run_report(quick, json, threads);
+    if (speed) {
+      at::set_num_threads(threads);
+      return vlmgen::bench::run_speed_report(rounds, json);
+    }
     if (families) {
       at::set_num_threads(threads);
       nlohmann::json out;

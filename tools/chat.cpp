@@ -35,6 +35,7 @@ namespace {
 
 struct Options {
   std::string model, prompt, system;
+  std::string dtype = "f32";  // weights dtype of the language model
   std::vector<std::string> images;
   int64_t max_new_tokens = 512, context = 4096, max_pixels = 0, min_pixels = 0;
   bool no_kv_cache = false, add_vision_id = false, quiet = false, print_ids = false;
@@ -68,7 +69,8 @@ class ChatRunner {
  public:
   ChatRunner(const Options& options, vlmgen::ParallelContext parallel)
       : options_(options), parallel_(std::move(parallel)), lead_(parallel_.rank() == 0) {
-    model_ = vlmgen::QwenVl::from_checkpoint(options.model, parallel_);
+    model_ = vlmgen::QwenVl::from_checkpoint(options.model, parallel_,
+                                             vlmgen::LoadOptions{vlmgen::parse_weights_dtype(options.dtype)});
     tokenizer_ = std::make_unique<vlmgen::Tokenizer>(vlmgen::Tokenizer::from_pretrained(options.model));
     std::string source;
     auto image_options = vlmgen::checkpoint_image_processor(options.model, model_->config(), &source);
@@ -202,6 +204,10 @@ int main(int argc, char** argv) {
   app.add_option("--image", o.images, "PNG/JPEG file for the (first) turn, before its text (repeatable)")
       ->allow_extra_args(false);
   app.add_option("--system", o.system, "system message (default: the template's own)");
+  app.add_option("--dtype", o.dtype,
+                 "weights of the language model: f32, bf16 (half the bytes a decode step reads) or f16")
+      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
+      ->capture_default_str();
   app.add_option("--max-new-tokens", o.max_new_tokens, "new tokens per answer at most")->capture_default_str();
   app.add_option("--context", o.context, "KV-cache columns for the whole conversation")->capture_default_str();
   app.add_flag("--no-kv-cache", o.no_kv_cache, "recompute the whole conversation at every step");

@@ -27,11 +27,12 @@ std::string checkpoint_model_type(const std::string& dir) {
   VLMGEN_FAIL("config file '{}' names no model_type (or architectures); supported: {}", path, supported_family_names());
 }
 
-std::unique_ptr<CausalVlm> load_model(const std::string& dir, const ParallelContext& parallel) {
+std::unique_ptr<CausalVlm> load_model(const std::string& dir, const ParallelContext& parallel,
+                                      const LoadOptions& options) {
   const std::string type = checkpoint_model_type(dir);
   VLMGEN_CHECK(family_from_name(type).has_value(), "checkpoint {}: model type '{}' is not supported; supported: {}",
                dir, type, supported_family_names());
-  return QwenVl::from_checkpoint(dir, parallel);
+  return QwenVl::from_checkpoint(dir, parallel, options);
 }
 
 }  // namespace vlmgen

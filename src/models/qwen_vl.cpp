@@ -264,6 +264,24 @@ qwen_vl::ShardLayout QwenVl::shard_layout(const std::string& name) const {
   VLMGEN_FAIL("{} has no weight named '{}'", detail::family_spec(config_.family).display_name, name);
 }
 
+bool QwenVl::is_lm_matrix(const std::string& name, const at::Tensor& tensor) {
+  return tensor.dim() == 2 && (name.rfind("model.", 0) == 0 || name == "lm_head.weight");
+}
+
+at::ScalarType QwenVl::weights_dtype() const { return lm_.embed_tokens.scalar_type(); }
+
+void QwenVl::convert_weights(at::ScalarType dtype) {
+  check_weights_dtype(dtype);
+  for (auto& [name, tensor] : named_weights())
+    if (is_lm_matrix(name, *tensor)) *tensor = tensor->to(dtype).contiguous();
+  if (config_.tie_word_embeddings) tie_lm_head();
+}
+
+void QwenVl::check_weights_dtype(at::ScalarType dtype) {
+  VLMGEN_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+               "weights_dtype must be float32, bfloat16 or float16, got {}", c10::toString(dtype));
+}
+
 void QwenVl::tie_lm_head() {
   config_.tie_word_embeddings = true;
   lm_.lm_head = lm_.embed_tokens;  // same TensorImpl: one copy of the matrix
@@ -416,7 +434,7 @@ at::Tensor QwenVl::forward(const ForwardArgs& args) {
   // all-reduce assembles the rows.
   at::Tensor hidden =
       tp_comm_ == nullptr
-          ? at::embedding(lm_.embed_tokens, ids)
+          ? at::embedding(lm_.embed_tokens, ids).to(at::kFloat)
           : vocab_parallel_embedding(ids, lm_.embed_tokens, parallel_.tp_rank() * lm_.embed_tokens.size(0), tp_comm_);
 
   const bool have_embeddings = args.image_embeddings.defined();

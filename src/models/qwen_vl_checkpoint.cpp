@@ -82,7 +82,9 @@ at::Tensor read_fp8_weight(const SafetensorsCheckpoint& checkpoint, const std::s
 
 }  // namespace
 
-std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const ParallelContext& parallel) {
+std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const ParallelContext& parallel,
+                                                const LoadOptions& options) {
+  check_weights_dtype(options.weights_dtype);
   const std::filesystem::path root(dir);
   QwenVlConfig config = QwenVlConfig::from_file((root / "config.json").string());
   // Bounds every size before any arithmetic on it, and a TP size that does not divide the heads
@@ -126,16 +128,20 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
     const std::vector<int64_t> full = model->full_shape(*target, weights[i].layout);
     VLMGEN_CHECK(entry.shape == full, "tensor {} has shape [{}] in checkpoint {} but the config needs [{}]", sources[i],
                  fmt::join(entry.shape, ", "), dir, fmt::join(full, ", "));
+    // The language model's matrices in weights_dtype, read straight into it (no float32 copy of a
+    // 16-bit checkpoint); everything else in float32.
+    const at::ScalarType dtype = is_lm_matrix(weights[i].name, *target) ? options.weights_dtype : at::kFloat;
     if (entry.fp8) {
       *target = detail::take_shard(read_fp8_weight(checkpoint, sources[i], *entry.fp8, quantization, dir),
                                    weights[i].layout, rank, tp)
+                    .to(dtype)
                     .contiguous();
       continue;
     }
     VLMGEN_CHECK(entry.dtype == at::kFloat || entry.dtype == at::kHalf || entry.dtype == at::kBFloat16,
                  "tensor {} in checkpoint {} is {}; weights must be F32, F16, BF16 or FP8", sources[i], dir,
                  c10::toString(entry.dtype));
-    *target = read_slice(checkpoint, sources[i], full, weights[i].layout, rank, tp).to(at::kFloat).contiguous();
+    *target = read_slice(checkpoint, sources[i], full, weights[i].layout, rank, tp).to(dtype).contiguous();
   }
   if (model->config_.tie_word_embeddings) model->tie_lm_head();
   return model;

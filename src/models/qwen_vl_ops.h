@@ -9,12 +9,13 @@
 #include "vlmgen/detail/tensor_utils.h"
 #include "vlmgen/distributed/communicator.h"
 #include "vlmgen/distributed/tensor_parallel.h"
+#include "vlmgen/kernels/cpu.h"
 #include "vlmgen/models/qwen_vl.h"
 
 namespace vlmgen::detail {
 
 inline at::Tensor apply_linear(const at::Tensor& x, const qwen_vl::Linear& linear) {
-  return detail::linear(x, linear.weight, linear.bias);
+  return kernels::linear(x, linear.weight, linear.bias);
 }
 
 /// A row-parallel linear: this rank's partial product, all-reduced (or reduce-scattered along
@@ -22,7 +23,7 @@ inline at::Tensor apply_linear(const at::Tensor& x, const qwen_vl::Linear& linea
 inline at::Tensor apply_row_parallel(const at::Tensor& x, const qwen_vl::Linear& linear, Communicator* comm,
                                      RowParallelReduce reduce = RowParallelReduce::kAllReduce) {
   if (comm == nullptr) return apply_linear(x, linear);
-  return row_parallel_linear(x, linear.weight, linear.bias, comm, reduce);
+  return row_parallel_reduce(kernels::linear(x, linear.weight), linear.bias, comm, reduce);
 }
 
 /// Rank `rank`'s slice of the full weight `full` under `layout`, contiguous.

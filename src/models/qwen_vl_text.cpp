@@ -1,5 +1,6 @@
 // The Qwen2 decoder of Qwen2-VL: RMSNorm, GQA with q/k/v bias and M-RoPE, SwiGLU MLP.
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -8,6 +9,7 @@
 
 #include "qwen_vl_ops.h"
 #include "vlmgen/inference_context.h"
+#include "vlmgen/kernels/cpu.h"
 #include "vlmgen/models/qwen_vl.h"
 
 namespace vlmgen {
@@ -40,6 +42,11 @@ std::pair<at::Tensor, at::Tensor> mrope_cos_sin(const at::Tensor& positions, con
   return {emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)};
 }
 
+/// Windows of up to this many columns attend through kernels::decode_attention on the CPU.
+constexpr int64_t kKernelAttentionColumns = 4;
+/// Query columns per chunk of the matmul attention: [B, heads, 256, K] scores at a time.
+constexpr int64_t kAttentionChunk = 256;
+
 /// `x` [B, S, ...] padded with zeros at the end of dim 1 to `length` positions.
 at::Tensor pad_sequence(const at::Tensor& x, int64_t length) {
   if (x.size(1) == length) return x;
@@ -71,11 +78,11 @@ at::Tensor QwenVl::run_language_model(at::Tensor x, const at::Tensor& position_i
   const int64_t key_begin = context != nullptr ? 0 : window_start;
   const int64_t key_end = window_start + s;
   const auto long_opts = at::TensorOptions().dtype(at::kLong).device(x.device());
-  at::Tensor query_cols = at::arange(window_start, key_end, long_opts).unsqueeze(1);     // [S, 1]
-  at::Tensor key_cols = at::arange(key_begin, key_end, long_opts).unsqueeze(0);          // [1, K]
-  at::Tensor causal = key_cols.le(query_cols);                                           // [S, K]
-  at::Tensor key_real = attention_mask.narrow(1, key_begin, key_end - key_begin).eq(1);  // [B, K]
-  at::Tensor blocked = causal.unsqueeze(0).logical_and(key_real.unsqueeze(1)).logical_not();
+  at::Tensor query_cols = at::arange(window_start, key_end, long_opts).unsqueeze(1);          // [S, 1]
+  at::Tensor key_cols = at::arange(key_begin, key_end, long_opts).unsqueeze(0);               // [1, K]
+  at::Tensor causal = key_cols.le(query_cols);                                                // [S, K]
+  at::Tensor key_real = attention_mask.narrow(1, key_begin, key_end - key_begin).eq(1);       // [B, K]
+  at::Tensor blocked = causal.unsqueeze(0).logical_and(key_real.unsqueeze(1)).logical_not();  // [B, S, K]
   blocked = blocked.view({b, 1, 1, s, key_end - key_begin});  // broadcast over [B, kv, group, S, K]
   // A finite fill (not -inf): a padding query row with every key blocked softmaxes to a uniform
   // row instead of NaN, and its logits are ignored anyway.
@@ -114,6 +121,30 @@ at::Tensor QwenVl::run_language_model(at::Tensor x, const at::Tensor& position_i
     }
   }
 
+  // Attention of the window's queries q [B, heads, S, D] over k, v [B, kv, K, D]: [B, heads, S, D].
+  // A few query columns on the CPU (decode): one pass over K and V per KV head in the kernel.
+  // Otherwise GQA without copying K/V per query head: query head i uses KV head i / groups, so
+  // the group's queries stack into one [g * S, D] matrix per KV head and each product is a plain
+  // batched matmul over [B * kv] (K and V read in place from the cache), in chunks of query
+  // columns so the score tensor stays small whatever the window.
+  const bool kernel_attention =
+      x.device().is_cpu() && x.scalar_type() == at::kFloat && s <= kKernelAttentionColumns && kernels::enabled();
+  auto attend = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    if (kernel_attention) return kernels::decode_attention(q, k, v, key_real, window_start - key_begin, scale);
+    const int64_t keys = k.size(2);
+    at::Tensor kt = k.transpose(-1, -2);
+    std::vector<at::Tensor> parts;
+    for (int64_t c0 = 0; c0 < s; c0 += kAttentionChunk) {
+      const int64_t n = std::min(kAttentionChunk, s - c0);
+      at::Tensor q4 = q.narrow(2, c0, n).reshape({b, kv_heads, groups * n, head_dim});
+      at::Tensor scores = at::matmul(q4, kt).mul_(scale);  // [B, kv, g * n, K]
+      scores.view({b, kv_heads, groups, n, keys}).masked_fill_(blocked.narrow(3, c0, n), blocked_score);
+      at::Tensor probs = at::softmax(scores, -1);
+      parts.push_back(at::matmul(probs, v).view({b, heads, n, head_dim}));  // [B, heads, n, D]
+    }
+    return parts.size() == 1 ? parts[0] : at::cat(parts, 2);
+  };
+
   for (size_t layer = 0; layer < lm_.layers.size(); ++layer) {
     const qwen_vl::DecoderLayer& w = lm_.layers[layer];
     at::Tensor h = whole(detail::apply_rms_norm(x, w.input_layernorm, c.rms_norm_eps));
@@ -130,16 +161,7 @@ at::Tensor QwenVl::run_language_model(at::Tensor x, const at::Tensor& position_i
     k = detail::apply_rotary(k, cos, sin);
     if (context != nullptr) std::tie(k, v) = context->append_kv(static_cast<int64_t>(layer), k, v);
 
-    // GQA without copying K/V per query head: query head i uses KV head i / groups, so the
-    // group's queries stack into one [g * S, head_dim] matrix per KV head and each product is
-    // a plain batched matmul over [B * kv] (K and V are read in place from the cache).
-    const int64_t keys = k.size(2);
-    at::Tensor q4 = q.reshape({b, kv_heads, groups * s, head_dim});
-    at::Tensor scores = at::matmul(q4, k.transpose(-1, -2)).mul_(scale);  // [B, kv, g * S, K]
-    scores.view({b, kv_heads, groups, s, keys}).masked_fill_(blocked, blocked_score);
-    at::Tensor probs = at::softmax(scores, -1);
-    at::Tensor attn = at::matmul(probs, v);  // [B, kv, g * S, head_dim]
-    attn = attn.view({b, heads, s, head_dim}).transpose(1, 2).reshape({b, s, heads * head_dim});
+    at::Tensor attn = attend(q, k, v).transpose(1, 2).reshape({b, s, heads * head_dim});
     x = x + reduce(attn, w.o_proj);
 
     h = whole(detail::apply_rms_norm(x, w.post_attention_layernorm, c.rms_norm_eps));
@@ -149,7 +171,7 @@ at::Tensor QwenVl::run_language_model(at::Tensor x, const at::Tensor& position_i
   }
   x = whole(detail::apply_rms_norm(x, lm_.norm, c.rms_norm_eps));
   if (last_column_only) x = x.narrow(1, x.size(1) - 1, 1);
-  return detail::linear(x, lm_.lm_head);  // [B, S or 1, vocab] (vocab / tp under TP), float32
+  return kernels::linear(x, lm_.lm_head);  // [B, S or 1, vocab] (vocab / tp under TP), float32
 }
 
 }  // namespace vlmgen

@@ -405,6 +405,79 @@ TEST_P(QwenFamilyCheckpointTest, RoundTripsInBothSpellingsTiedAndUntiedAndHalfPr
   EXPECT_TRUE(logits(*half_loaded).equal(logits(model_)));
 }
 
+/// Prefill logits of the image batch with a KV cache, then the logits of one decode step (the
+/// CPU kernels' path: a few rows) after it.
+std::pair<at::Tensor, at::Tensor> prefill_and_step(QwenVl& model, const Batch& batch, const VisionInputs& vision) {
+  InferenceContext ctx(model.traits().kv_cache, batch.ids.size(0), batch.ids.size(1) + 1);
+  RopePlan plan = model.plan_positions(batch.ids, batch.mask, vision);
+  ForwardArgs args;
+  args.input_ids = batch.ids;
+  args.attention_mask = batch.mask;
+  args.position_ids = plan.prompt_positions;
+  args.vision = vision;
+  args.context = &ctx;
+  at::Tensor prefill = model.forward(args);
+  ctx.commit(batch.ids, batch.mask);
+  at::Tensor next = prefill.select(1, prefill.size(1) - 1).argmax(-1).unsqueeze(1);  // [B, 1]
+  ForwardArgs step;
+  step.input_ids = next;
+  step.attention_mask = at::cat({batch.mask, at::ones_like(next)}, 1);
+  const int64_t length = batch.ids.size(1);
+  step.position_ids = extend_positions(plan, batch.pads, length + 1).narrow(-1, length, 1).contiguous();
+  step.context = &ctx;
+  step.window_start = length;
+  return {prefill, model.forward(step)};
+}
+
+TEST_P(QwenFamilyCheckpointTest, SixteenBitWeightsStaySixteenBitAndComputeLikeFloat32OfTheSameValues) {
+  std::map<std::string, at::Tensor> bf16;
+  for (auto& [name, t] : model_.named_weights()) bf16.emplace(name, t->to(at::kBFloat16));
+  write(dir("bf16"), config_.to_json(), bf16);
+  auto kept = QwenVl::from_checkpoint(dir("bf16"), ParallelContext::single(), LoadOptions{at::kBFloat16});
+  auto widened = QwenVl::from_checkpoint(dir("bf16"));  // the same values in float32
+  EXPECT_EQ(kept->weights_dtype(), at::kBFloat16);
+  EXPECT_EQ(widened->weights_dtype(), at::kFloat);
+  int64_t sixteen_bit = 0;
+  for (auto& [name, t] : kept->named_weights()) {
+    const bool lm_matrix = t->dim() == 2 && name.rfind("visual.", 0) != 0;
+    EXPECT_EQ(t->scalar_type(), lm_matrix ? at::kBFloat16 : at::kFloat) << name;
+    sixteen_bit += lm_matrix ? 1 : 0;
+  }
+  // 7 linears a layer, the embedding and (untied) lm_head.
+  EXPECT_EQ(sixteen_bit, 7 * config_.num_hidden_layers + (config_.tie_word_embeddings ? 1 : 2));
+
+  const Batch batch = left_pad(batch_rows());
+  auto [prefill_kept, step_kept] = prefill_and_step(*kept, batch, batch_vision());
+  auto [prefill_wide, step_wide] = prefill_and_step(*widened, batch, batch_vision());
+  // Same weight values, float32 compute: only the order of the sums differs.
+  const double scale = prefill_wide.abs().max().item<double>();
+  EXPECT_LT((prefill_kept - prefill_wide).abs().max().item<double>(), 1e-4 * scale);
+  EXPECT_LT((step_kept - step_wide).abs().max().item<double>(), 1e-4 * scale);
+  EXPECT_TRUE(step_kept.argmax(-1).equal(step_wide.argmax(-1)));
+
+  // float16 by conversion of a loaded model: like float32 with the matrices rounded to float16.
+  auto half = QwenVl::from_checkpoint(dir("bf16"));
+  half->convert_weights(at::kHalf);
+  for (auto& [name, t] : widened->named_weights())
+    if (t->dim() == 2 && name.rfind("visual.", 0) != 0) *t = t->to(at::kHalf).to(at::kFloat);
+  auto [prefill_half, step_half] = prefill_and_step(*half, batch, batch_vision());
+  auto [prefill_rounded, step_rounded] = prefill_and_step(*widened, batch, batch_vision());
+  EXPECT_LT((step_half - step_rounded).abs().max().item<double>(), 1e-4 * scale);
+
+  // A 16-bit model saves its 16-bit matrices and reloads to the same logits.
+  kept->save_checkpoint(dir("bf16_again"));
+  EXPECT_EQ(read_all(dir("bf16_again")).at("model.layers.0.mlp.up_proj.weight").scalar_type(), at::kBFloat16);
+  auto again = QwenVl::from_checkpoint(dir("bf16_again"), ParallelContext::single(), LoadOptions{at::kBFloat16});
+  EXPECT_TRUE(prefill_and_step(*again, batch, batch_vision()).second.equal(step_kept));
+
+  // Other dtypes are refused before anything is read or changed.
+  EXPECT_THROW(QwenVl::from_checkpoint(dir("bf16"), ParallelContext::single(), LoadOptions{at::kDouble}), Error);
+  EXPECT_THROW(kept->convert_weights(at::kDouble), Error);
+  EXPECT_EQ(kept->weights_dtype(), at::kBFloat16);
+  EXPECT_THROW(parse_weights_dtype("int8"), Error);
+  EXPECT_EQ(parse_weights_dtype("bf16"), at::kBFloat16);
+}
+
 TEST_P(QwenFamilyCheckpointTest, MissingTensorsAreListedAndShapesNamed) {
   model_.save_checkpoint(dir("full"));
   auto tensors = read_all(dir("full"));

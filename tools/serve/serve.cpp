@@ -52,6 +52,7 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
 
 struct Options {
   std::string model;
+  std::string dtype = "f32";  // weights dtype of the language model
   std::string model_name;
   std::string host = "127.0.0.1";
   int port = 8000;
@@ -182,7 +183,8 @@ std::string sse(const Json& j) { return "data: " + j.dump() + "\n\n"; }
 class Server {
  public:
   explicit Server(const Options& options) : options_(options) {
-    model_ = QwenVl::from_checkpoint(options.model);
+    model_ = QwenVl::from_checkpoint(options.model, ParallelContext::single(),
+                                     LoadOptions{parse_weights_dtype(options.dtype)});
     tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_pretrained(options.model));
     std::string source;
     auto image_options = checkpoint_image_processor(options.model, model_->config(), &source);
@@ -575,6 +577,10 @@ int main(int argc, char** argv) {
       ->required();
   app.add_option("--served-model-name", o.model_name, "the model id clients see (default: the folder's name)");
   app.add_option("--host", o.host, "address to listen on")->capture_default_str();
+  app.add_option("--dtype", o.dtype,
+                 "weights of the language model: f32, bf16 (half the bytes a decode step reads) or f16")
+      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
+      ->capture_default_str();
   app.add_option("--port", o.port, "port to listen on (0: any free port; the chosen one is printed)")
       ->capture_default_str()
       ->check(CLI::Range(0, 65535));

@@ -80,6 +80,22 @@ enum class RowParallelReduce {
   kReduceScatterSequence,
 };
 
+/// The second half of row_parallel_linear, for a caller that computed this rank's partial product
+/// itself: the ranks' partial sums combined by `reduce`, then `bias` (undefined: none) added once.
+inline at::Tensor row_parallel_reduce(at::Tensor partial, const at::Tensor& bias, Communicator* comm,
+                                      RowParallelReduce reduce = RowParallelReduce::kAllReduce) {
+  if (detail::group_size(comm) > 1) {
+    if (reduce == RowParallelReduce::kAllReduce) {
+      comm->all_reduce_sum(partial);
+    } else {
+      VLMGEN_CHECK(partial.dim() >= 3, "row_parallel_linear with a sequence reduce-scatter needs [B, S, out], got {}",
+                   detail::shape_str(partial));
+      partial = comm->reduce_scatter_sum(partial, 1);
+    }
+  }
+  return bias.defined() ? partial + bias : partial;
+}
+
 /// y = x W^T + b with W split by input columns: `x_local` [.., in/tp] (the output of a
 /// column-parallel layer), `local_weight` [out, in/tp], `bias` [out] (undefined: none), added
 /// once after the reduction.
@@ -88,17 +104,7 @@ inline at::Tensor row_parallel_linear(const at::Tensor& x_local, const at::Tenso
   VLMGEN_CHECK(local_weight.dim() == 2 && x_local.dim() >= 1 && x_local.size(-1) == local_weight.size(1),
                "row_parallel_linear: local input {} does not match local weight {} ([out, in/tp])",
                detail::shape_str(x_local), detail::shape_str(local_weight));
-  at::Tensor partial = detail::linear(x_local, local_weight);
-  if (detail::group_size(comm) > 1) {
-    if (reduce == RowParallelReduce::kAllReduce) {
-      comm->all_reduce_sum(partial);
-    } else {
-      VLMGEN_CHECK(partial.dim() >= 3, "row_parallel_linear with a sequence reduce-scatter needs [B, S, in/tp], got {}",
-                   detail::shape_str(x_local));
-      partial = comm->reduce_scatter_sum(partial, 1);
-    }
-  }
-  return bias.defined() ? partial + bias : partial;
+  return row_parallel_reduce(detail::linear(x_local, local_weight), bias, comm, reduce);
 }
 
 /// Embedding lookup with the table split by vocabulary rows: `local_table` [vocab/tp, hidden]
@@ -120,10 +126,10 @@ inline at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tens
     VLMGEN_CHECK(lo >= 0 && hi < vocab,
                  "vocab_parallel_embedding: token ids span [{}, {}], outside the vocabulary [0, {})", lo, hi, vocab);
   }
-  if (tp == 1) return at::embedding(local_table, ids - vocab_start);
+  if (tp == 1) return at::embedding(local_table, ids - vocab_start).to(at::kFloat);
   at::Tensor local_ids = ids.to(at::kLong) - vocab_start;
   at::Tensor owned = (local_ids >= 0) & (local_ids < local_vocab);
-  at::Tensor rows = at::embedding(local_table, local_ids.masked_fill(~owned, 0));
+  at::Tensor rows = at::embedding(local_table, local_ids.masked_fill(~owned, 0)).to(at::kFloat);
   rows.masked_fill_(~owned.unsqueeze(-1), 0);
   comm->all_reduce_sum(rows);
   return rows;

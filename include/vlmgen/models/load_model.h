@@ -4,6 +4,7 @@
 #include <string>
 
 #include "vlmgen/model.h"
+#include "vlmgen/models/load_options.h"
 #include "vlmgen/parallel.h"
 
 namespace vlmgen {
@@ -16,7 +17,8 @@ namespace vlmgen {
 ///   auto model = vlmgen::load_model("/models/Qwen2.5-VL-3B-Instruct");
 ///   vlmgen::Generator generator(*model);
 std::unique_ptr<CausalVlm> load_model(const std::string& dir,
-                                      const ParallelContext& parallel = ParallelContext::single());
+                                      const ParallelContext& parallel = ParallelContext::single(),
+                                      const LoadOptions& options = {});
 
 /// The model type `dir`/config.json names (model_type, else architectures[0]); vlmgen::Error
 /// when the file is missing, not JSON, or names neither.

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "vlmgen/model.h"
+#include "vlmgen/models/load_options.h"
 #include "vlmgen/models/qwen_vl_config.h"
 #include "vlmgen/parallel.h"
 
@@ -141,7 +142,16 @@ class QwenVl : public CausalVlm {
   /// the divisibility of heads and vocabulary by tp_size is checked right after config.json,
   /// before any weight is read.
   static std::unique_ptr<QwenVl> from_checkpoint(const std::string& dir,
-                                                 const ParallelContext& parallel = ParallelContext::single());
+                                                 const ParallelContext& parallel = ParallelContext::single(),
+                                                 const LoadOptions& options = {});
+
+  /// The dtype of the language model's matrices (embedding, attention and MLP weights, lm_head):
+  /// float32 unless loaded or converted otherwise.
+  at::ScalarType weights_dtype() const;
+  /// Stores the language model's matrices as `dtype` (float32, bfloat16 or float16); norms,
+  /// biases and the vision tower stay float32. Compute stays float32: the CPU kernels widen
+  /// 16-bit weights as they read them, so a decode step reads half the bytes.
+  void convert_weights(at::ScalarType dtype);
 
   /// Writes `dir`/config.json and `dir`/model.safetensors (HF `visual.*`/`model.*` names; no
   /// `lm_head.weight` when tied). Creates `dir` when needed. Under tensor parallelism every rank
@@ -228,6 +238,9 @@ class QwenVl : public CausalVlm {
   std::vector<int64_t> full_shape(const at::Tensor& local, qwen_vl::ShardLayout layout) const;
 
   void allocate_weights();
+  /// Weights that weights_dtype applies to: 2-D tensors of the language model (named_weights names).
+  static bool is_lm_matrix(const std::string& name, const at::Tensor& tensor);
+  static void check_weights_dtype(at::ScalarType dtype);
   void init_random(uint64_t seed, double init_std);
   void tie_lm_head();
 

@@ -1,0 +1,111 @@
+#pragma once
+
+// The bench's models and prompts, shared by its reports.
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "vlmgen/kernels/cpu.h"
+#include "vlmgen/models/qwen2_vl.h"
+
+namespace vlmgen::bench {
+
+/// About 110M parameters in the language model: hidden 768, 12 layers, 12 heads (4 KV heads),
+/// SwiGLU 2048, vocab 16384 untied; a 4-block vision tower. Qwen2.5-VL: SwiGLU tower with
+/// 112-pixel windows; Qwen3-VL: q/k norms, no q/k/v bias, interleaved M-RoPE, a 32x32 position
+/// table and DeepStack after vision blocks 1-3.
+inline QwenVlConfig config_100m(QwenFamily family = QwenFamily::kQwen2Vl) {
+  QwenVlConfig c = QwenVlConfig::tiny(family);  // the family's switches; every size set below
+  c.hidden_size = 768;
+  c.num_hidden_layers = 12;
+  c.num_attention_heads = 12;
+  c.num_key_value_heads = 4;
+  c.head_dim = 64;
+  c.intermediate_size = 2048;
+  c.mrope_section = {8, 12, 12};
+  c.vocab_size = 16384;
+  c.max_position_embeddings = 8192;
+  c.rope_theta = 10000.0;
+  c.image_token_id = 16000;
+  c.video_token_id = 16001;
+  c.vision_start_token_id = 16002;
+  c.vision_end_token_id = 16003;
+  c.vision.depth = 4;
+  c.vision.embed_dim = 384;
+  c.vision.num_heads = 6;
+  c.vision.mlp_ratio = 4;
+  c.vision.patch_size = 14;
+  c.vision.temporal_patch_size = 2;
+  c.vision.spatial_merge_size = 2;
+  c.vision.hidden_size = 768;
+  c.vision.intermediate_size = 4 * 384;
+  if (family == QwenFamily::kQwen2_5Vl) {
+    c.vision.window_size = 112;
+    c.vision.fullatt_block_indexes = {3};
+  }
+  if (family == QwenFamily::kQwen3Vl) {
+    c.mrope_section = {12, 10, 10};
+    c.vision.num_position_embeddings = 1024;
+    c.vision.deepstack_visual_indexes = {1, 2, 3};
+  }
+  return c;
+}
+
+inline int64_t count_params(Qwen2Vl& m, bool language_only) {
+  int64_t n = 0;
+  for (auto& [name, t] : m.named_weights()) {
+    if (!language_only || name.rfind("visual.", 0) != 0) n += t->numel();
+  }
+  return n;
+}
+
+/// Bytes of weights one decode step reads: every LM matrix and norm, plus one embedding row.
+inline int64_t decode_weight_bytes(Qwen2Vl& m) {
+  int64_t bytes = 0;
+  for (auto& [name, t] : m.named_weights()) {
+    if (name.rfind("visual.", 0) == 0) continue;
+    if (name == "model.embed_tokens.weight") {
+      bytes += t->size(1) * static_cast<int64_t>(t->element_size());
+      continue;
+    }
+    bytes += t->numel() * static_cast<int64_t>(t->element_size());
+  }
+  if (m.tied_embeddings()) bytes += m.language_model().lm_head.nbytes();
+  return bytes;
+}
+
+/// Plain text tokens: below every special id of the config.
+inline std::vector<int64_t> text_prompt(int64_t length, const QwenVlConfig& c, uint64_t seed) {
+  const int64_t limit =
+      std::min({c.vocab_size, c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id});
+  std::vector<int64_t> p(static_cast<size_t>(length));
+  uint64_t x = seed;
+  for (auto& t : p) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    t = static_cast<int64_t>((x >> 33) % static_cast<uint64_t>(limit));
+  }
+  return p;
+}
+
+/// Bytes of every weight of the model (a tied lm_head once).
+inline int64_t model_bytes(QwenVl& m) {
+  int64_t bytes = 0;
+  for (auto& [name, t] : m.named_weights()) bytes += t->numel() * static_cast<int64_t>(t->element_size());
+  return bytes;
+}
+
+inline double decode_bytes(QwenVl& m) { return static_cast<double>(decode_weight_bytes(m)); }
+
+inline bool kernels_enabled() { return kernels::enabled(); }
+
+inline std::vector<std::string> supported_isa_names() {
+  std::vector<std::string> out;
+  for (kernels::Isa isa : kernels::supported_isas()) out.push_back(kernels::isa_name(isa));
+  return out;
+}
+
+int run_speed_report(int rounds, const std::string& json_path);  // speed_report.cpp
+
+}  // namespace vlmgen::bench

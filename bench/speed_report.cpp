@@ -1,0 +1,184 @@
+// vlmgen-bench --speed: the model's own forward times on the 100M config, the decode step and the
+// prefill as issue "Speed" lists them, per weights dtype, medians of interleaved rounds:
+//   KV decode ms/token at contexts 128, 512, 2048 (batch 1); decode throughput at batch 1, 4, 16
+//   (context 128); prefill tokens/s of 512- and 2048-token prompts; resident memory against the
+//   weights' bytes; the read bandwidth of this machine measured in the same run, and the share of
+//   it a decode step reaches (weights + KV bytes read per token).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "bench_models.h"
+#include "vlmgen/inference_context.h"
+#include "vlmgen/kernels/cpu.h"
+
+namespace vlmgen::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+/// VmRSS (current) and VmHWM (peak) of this process, in MB.
+std::pair<double, double> rss_mb() {
+  std::ifstream in("/proc/self/status");
+  std::string key;
+  double rss = 0, hwm = 0;
+  while (in >> key) {
+    double kb = 0;
+    if (key == "VmRSS:" && in >> kb) rss = kb / 1024.0;
+    if (key == "VmHWM:" && in >> kb) hwm = kb / 1024.0;
+  }
+  return {rss, hwm};
+}
+
+/// GB/s of a summing read over a buffer far larger than the caches, on the bench's threads.
+double read_bandwidth_gbs() {
+  at::Tensor buffer = at::ones({256 * 1024 * 1024 / 4});  // 256 MB
+  double best = 0;
+  for (int i = 0; i < 5; ++i) {
+    auto t = Clock::now();
+    volatile float sink = buffer.sum().item<float>();
+    (void)sink;
+    best = std::max(best, 256.0 / 1024.0 / seconds_since(t));
+  }
+  return best;
+}
+
+/// Forward of `s` tokens per row after `context` cached ones; positions as for text.
+at::Tensor step(QwenVl& model, InferenceContext& ctx, const at::Tensor& ids) {
+  const int64_t b = ids.size(0), s = ids.size(1), start = ctx.length();
+  ForwardArgs args;
+  args.input_ids = ids;
+  args.position_ids = at::arange(start, start + s, at::kLong).view({1, 1, s}).expand({3, b, s}).contiguous();
+  args.attention_mask = at::ones({b, start + s}, at::kLong);
+  args.context = &ctx;
+  args.window_start = start;
+  args.last_column_logits = true;
+  at::Tensor logits = model.forward(args);
+  ctx.commit(ids, at::ones({b, s}, at::kLong));
+  return logits;
+}
+
+at::Tensor prompt_ids(const QwenVlConfig& c, int64_t b, int64_t s, uint64_t seed) {
+  std::vector<int64_t> flat;
+  for (int64_t r = 0; r < b; ++r) {
+    std::vector<int64_t> row = text_prompt(s, c, seed + static_cast<uint64_t>(r));
+    flat.insert(flat.end(), row.begin(), row.end());
+  }
+  return at::tensor(flat, at::kLong).view({b, s});
+}
+
+/// Mean ms of one KV decode step of `b` rows after a `context`-token prompt (8 steps timed).
+double decode_ms(QwenVl& model, int64_t b, int64_t context) {
+  const int64_t steps = 8;
+  InferenceContext ctx(model.traits().kv_cache, b, context + steps + 1);
+  step(model, ctx, prompt_ids(model.config(), b, context, 7));
+  at::Tensor next = prompt_ids(model.config(), b, 1, 11);
+  step(model, ctx, next);  // warm-up
+  auto t = Clock::now();
+  for (int64_t i = 0; i < steps; ++i) step(model, ctx, next);
+  return seconds_since(t) * 1000.0 / steps;
+}
+
+double prefill_tokens_per_s(QwenVl& model, int64_t s) {
+  InferenceContext ctx(model.traits().kv_cache, 1, s);
+  auto t = Clock::now();
+  step(model, ctx, prompt_ids(model.config(), 1, s, 5));
+  return static_cast<double>(s) / seconds_since(t);
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+}  // namespace
+
+int run_speed_report(int rounds, const std::string& json_path) {
+  fmt::print("vlmgen-bench --speed: 100M Qwen2-VL LM, {} thread(s), kernels: {} (supported: {})\n",
+             at::get_num_threads(), kernels_enabled() ? kernels::isa_name(kernels::active_isa()) : "off (ATen)",
+             fmt::join(supported_isa_names(), ", "));
+  const double bandwidth = read_bandwidth_gbs();
+  const auto [rss_before, hwm_before] = rss_mb();
+  std::map<std::string, std::unique_ptr<QwenVl>> models;
+  std::map<std::string, double> weight_mb;
+  for (const char* dtype : {"f32", "bf16"}) {
+    auto m = std::make_unique<QwenVl>(config_100m(), 1);
+    if (std::string(dtype) != "f32") m->convert_weights(parse_weights_dtype(dtype));
+    weight_mb[dtype] = static_cast<double>(model_bytes(*m)) / 1e6;
+    models[dtype] = std::move(m);
+  }
+  const auto [rss_after, hwm_after] = rss_mb();
+
+  // figure -> dtype -> rounds
+  std::map<std::string, std::map<std::string, std::vector<double>>> runs;
+  const std::vector<std::pair<std::string, std::function<double(QwenVl&)>>> figures = {
+      {"decode ms/token, context 128", [](QwenVl& m) { return decode_ms(m, 1, 128); }},
+      {"decode ms/token, context 512", [](QwenVl& m) { return decode_ms(m, 1, 512); }},
+      {"decode ms/token, context 2048", [](QwenVl& m) { return decode_ms(m, 1, 2048); }},
+      {"decode tokens/s, batch 1", [](QwenVl& m) { return 1000.0 / decode_ms(m, 1, 128); }},
+      {"decode tokens/s, batch 4", [](QwenVl& m) { return 4 * 1000.0 / decode_ms(m, 4, 128); }},
+      {"decode tokens/s, batch 16", [](QwenVl& m) { return 16 * 1000.0 / decode_ms(m, 16, 128); }},
+      {"prefill tokens/s, 512 tokens", [](QwenVl& m) { return prefill_tokens_per_s(m, 512); }},
+      {"prefill tokens/s, 2048 tokens", [](QwenVl& m) { return prefill_tokens_per_s(m, 2048); }},
+  };
+  for (int round = 0; round < rounds; ++round) {
+    for (auto& [name, fn] : figures)
+      for (auto& [dtype, m] : models) runs[name][dtype].push_back(fn(*m));
+  }
+  nlohmann::json out;
+  fmt::print("\n{:<34}{:>12}{:>12}{:>12}\n", "figure (medians)", "f32", "bf16", "f32/bf16");
+  for (auto& [name, fn] : figures) {
+    const double f = median(runs[name]["f32"]), h = median(runs[name]["bf16"]);
+    const bool time = name.find("ms/") != std::string::npos;
+    fmt::print("{:<34}{:>12.2f}{:>12.2f}{:>11.2f}x\n", name, f, h, time ? f / h : h / f);
+    out[name] = {{"f32", f}, {"bf16", h}, {"rounds_f32", runs[name]["f32"]}, {"rounds_bf16", runs[name]["bf16"]}};
+  }
+  auto ratio = [&](const std::string& a, const std::string& b, const char* dtype) {
+    return median(runs[a][dtype]) / median(runs[b][dtype]);
+  };
+  for (const char* dtype : {"f32", "bf16"}) {
+    fmt::print(
+        "{}: decode 2048 / 128 = {:.2f}x (target <= 1.25x); batch 4 / 1 = {:.2f}x (>= 3x), batch 16 / 1 = "
+        "{:.2f}x (>= 8x)\n",
+        dtype, ratio("decode ms/token, context 2048", "decode ms/token, context 128", dtype),
+        ratio("decode tokens/s, batch 4", "decode tokens/s, batch 1", dtype),
+        ratio("decode tokens/s, batch 16", "decode tokens/s, batch 1", dtype));
+  }
+  // Bytes one decode step reads: the LM's matrices and norms (one embedding row) plus K and V.
+  const QwenVlConfig c = config_100m();
+  for (int64_t ctx : {128, 2048}) {
+    const double kv_mb = 2.0 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * ctx * 4 / 1e6;
+    for (const char* dtype : {"f32", "bf16"}) {
+      const double mb = decode_bytes(*models[dtype]) / 1e6 + kv_mb;
+      const double ms = median(runs[fmt::format("decode ms/token, context {}", ctx)][dtype]);
+      fmt::print("{} context {}: {:.0f} MB read per token at {:.1f} GB/s = {:.0f}% of the {:.1f} GB/s read bandwidth\n",
+                 dtype, ctx, mb, mb / ms, 100.0 * mb / ms / bandwidth, bandwidth);
+    }
+  }
+  fmt::print(
+      "memory: weights f32 {:.0f} MB + bf16 {:.0f} MB; RSS {:.0f} MB before the models, {:.0f} MB after "
+      "(peak {:.0f} MB): {:.2f}x the weights\n",
+      weight_mb["f32"], weight_mb["bf16"], rss_before, rss_after, hwm_after,
+      (rss_after - rss_before) / (weight_mb["f32"] + weight_mb["bf16"]));
+  out["read_bandwidth_gbs"] = bandwidth;
+  out["rss_mb"] = {{"before", rss_before}, {"after", rss_after}, {"peak", hwm_after}};
+  out["weights_mb"] = weight_mb;
+  if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
+  return 0;
+}
+
+}  // namespace vlmgen::bench

@@ -1,0 +1,60 @@
+#pragma once
+
+// CPU kernels of the decode step: a linear for a few rows that reads each weight once for all
+// of them (f32, bf16 or f16 weights, f32 accumulation), and attention of a few query columns over
+// a KV cache in one pass over K and one over V per KV head (grouped query heads share the pass).
+// Each has an AVX-512, an AVX2 (+FMA, F16C) and a portable path, chosen at run time from what the
+// CPU supports; VLMGEN_CPU_ISA=portable|avx2|avx512 caps the choice, and VLMGEN_CPU_ISA=aten
+// turns the kernels off (every product and attention through ATen, for comparisons).
+//
+//   at::Tensor y = vlmgen::kernels::linear(x, weight, bias);   // like at::linear, any row count
+//
+// Rows above kernels::kMaxFastRows, other devices and other dtypes go to ATen (a 16-bit weight
+// is widened for that product only).
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace vlmgen::kernels {
+
+enum class Isa { kPortable, kAvx2, kAvx512 };
+
+/// "portable", "avx2" or "avx512".
+const char* isa_name(Isa isa);
+/// The paths this CPU can run, portable first.
+std::vector<Isa> supported_isas();
+/// The path the kernels use: the best supported one, capped by VLMGEN_CPU_ISA when set (an unknown
+/// value is a vlmgen::Error naming the accepted ones, raised at the first use of the kernels).
+Isa active_isa();
+
+/// False when VLMGEN_CPU_ISA=aten: linear() and the models' decode attention use ATen only.
+bool enabled();
+
+/// Products with at most this many rows run on the kernels; more go to ATen's GEMM.
+constexpr int64_t kMaxFastRows = 16;
+
+/// x [..., in] (float32) times weight [out, in] (float32, bfloat16 or float16, contiguous)
+/// transposed, plus bias [out] (float32) when defined: [..., out], float32. The CPU kernels for
+/// up to kMaxFastRows rows when enabled(), ATen otherwise.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
+/// The same on a given path (tests compare the paths); every row count runs on the kernel.
+at::Tensor linear_on(Isa isa, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
+
+/// `weight` (contiguous float32, bfloat16 or float16 on the CPU) as a new float32 tensor.
+at::Tensor widen_on(Isa isa, const at::Tensor& weight);
+
+/// Attention of the window's query columns over keys, for a few query columns (decode):
+///   q [B, heads, S, D], k and v [B, kv_heads, K, D] (float32, last dim contiguous; a narrowed
+///   KV cache is read in place), key_real [B, K] (bool or integer: the key is not padding).
+/// Query column s sees key j when j <= first_query_key + s and key_real[b, j]; a query with no
+/// visible key averages all K values (what a softmax over equally blocked scores gives).
+/// Query head h uses KV head h / (heads / kv_heads). Returns [B, heads, S, D], float32.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_real,
+                            int64_t first_query_key, double scale);
+at::Tensor decode_attention_on(Isa isa, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& key_real, int64_t first_query_key, double scale);
+
+}  // namespace vlmgen::kernels

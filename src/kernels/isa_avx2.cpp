@@ -1,0 +1,62 @@
+// The kernels with AVX2, FMA and F16C (8 floats a vector). Compiled with -mavx2 -mfma -mf16c;
+// called only when the CPU reports all three.
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#include "kernels_impl.h"
+
+namespace vlmgen::kernels::raw {
+namespace {
+
+struct Avx2 {
+  using V = __m256;
+  static constexpr int64_t kLanes = 8;
+  static constexpr int kOutTile = 4;  // 4 x 2 accumulators + 2 inputs + 1 weight of 16 registers
+  static constexpr int kRowTile = 2;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float f) { return _mm256_set1_ps(f); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load_bf16(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static V load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static V fma(V a, V b, V acc) { return _mm256_fmadd_ps(a, b, acc); }
+  static float sum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V exp(V x) {
+    x = _mm256_max_ps(x, set1(kExpLowest));
+    const V n = _mm256_round_ps(_mm256_mul_ps(x, set1(kLog2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const V r = _mm256_fnmadd_ps(n, set1(kLn2Low), _mm256_fnmadd_ps(n, set1(kLn2High), x));
+    // 2^n built in the exponent field: n >= -126 after the clamp, and n <= 0 for x <= 0.
+    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(exp_reduced<Avx2>(r), _mm256_castsi256_ps(exponent));
+  }
+};
+
+}  // namespace
+
+void rows_linear_avx2(const RowsLinear& a, int64_t o_begin, int64_t o_end) { rows_linear<Avx2>(a, o_begin, o_end); }
+void attention_avx2(const HeadGroupAttention& a) { attention<Avx2>(a); }
+void widen_avx2(const void* src, WeightType type, float* dst, int64_t begin, int64_t end) {
+  widen<Avx2>(src, type, dst, begin, end);
+}
+
+}  // namespace vlmgen::kernels::raw
+
+#else
+#include "raw_kernels.h"
+namespace vlmgen::kernels::raw {
+void rows_linear_avx2(const RowsLinear& a, int64_t o_begin, int64_t o_end) { rows_linear_portable(a, o_begin, o_end); }
+void attention_avx2(const HeadGroupAttention& a) { attention_portable(a); }
+void widen_avx2(const void* src, WeightType type, float* dst, int64_t begin, int64_t end) {
+  widen_portable(src, type, dst, begin, end);
+}
+}  // namespace vlmgen::kernels::raw
+#endif

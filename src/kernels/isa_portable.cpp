@@ -1,0 +1,66 @@
+// The kernels in plain C++ (8-float blocks the compiler may vectorize with the baseline
+// instruction set): the path for CPUs without AVX2 and the reference the other paths are
+// compared with.
+
+#include "kernels_impl.h"
+
+namespace vlmgen::kernels::raw {
+namespace {
+
+struct Portable {
+  struct V {
+    float lane[8];
+  };
+  static constexpr int64_t kLanes = 8;
+  static constexpr int kOutTile = 4;
+  static constexpr int kRowTile = 2;
+  static V zero() { return V{}; }
+  static V set1(float f) {
+    V v;
+    for (float& x : v.lane) x = f;
+    return v;
+  }
+  static V load(const float* p) {
+    V v;
+    for (int i = 0; i < 8; ++i) v.lane[i] = p[i];
+    return v;
+  }
+  static V load_bf16(const uint16_t* p) {
+    V v;
+    for (int i = 0; i < 8; ++i) v.lane[i] = bf16_to_float(p[i]);
+    return v;
+  }
+  static V load_f16(const uint16_t* p) {
+    V v;
+    for (int i = 0; i < 8; ++i) v.lane[i] = f16_to_float(p[i]);
+    return v;
+  }
+  static V fma(V a, V b, V acc) {
+    for (int i = 0; i < 8; ++i) acc.lane[i] += a.lane[i] * b.lane[i];
+    return acc;
+  }
+  static float sum(V v) {
+    float s = 0.0f;
+    for (float x : v.lane) s += x;
+    return s;
+  }
+  static void store(float* p, V v) {
+    for (int i = 0; i < 8; ++i) p[i] = v.lane[i];
+  }
+  static V exp(V v) {
+    for (float& x : v.lane) x = expf(x < kExpLowest ? kExpLowest : x);
+    return v;
+  }
+};
+
+}  // namespace
+
+void rows_linear_portable(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
+  rows_linear<Portable>(a, o_begin, o_end);
+}
+void attention_portable(const HeadGroupAttention& a) { attention<Portable>(a); }
+void widen_portable(const void* src, WeightType type, float* dst, int64_t begin, int64_t end) {
+  widen<Portable>(src, type, dst, begin, end);
+}
+
+}  // namespace vlmgen::kernels::raw

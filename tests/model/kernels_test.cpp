@@ -1,0 +1,168 @@
+// The CPU kernels on every path this machine can run, against float64 ATen on the same numbers.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vlmgen/error.h"
+#include "vlmgen/kernels/cpu.h"
+
+namespace vlmgen {
+namespace {
+
+using kernels::Isa;
+
+/// Largest |got - want| over the scale of the terms summed (sum over i of |x_i w_i| per output):
+/// float32 accumulation of n terms stays within a few n * 2^-24 of that scale.
+double relative_error(const at::Tensor& got, const at::Tensor& want, const at::Tensor& term_scale) {
+  return ((got.to(at::kDouble) - want).abs() / (term_scale + 1e-30)).max().item<double>();
+}
+
+TEST(CpuKernels, LinearMatchesFloat64OnEveryPathWeightTypeAndRowCount) {
+  ASSERT_FALSE(kernels::supported_isas().empty());
+  at::manual_seed(3);
+  // Widths that are and are not multiples of the vector length; outputs not a multiple of 4.
+  for (auto [out, in] : std::vector<std::pair<int64_t, int64_t>>{{13, 37}, {64, 768}, {130, 2048}}) {
+    for (at::ScalarType wt : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      at::Tensor weight = at::randn({out, in}).to(wt);
+      at::Tensor wide = weight.to(at::kDouble);  // the weights as stored, exactly
+      at::Tensor bias = at::randn({out});
+      for (int64_t rows : {1, 2, 3, 4, 5, 7, 16, 17}) {
+        at::Tensor x = at::randn({rows, in});
+        at::Tensor want = at::linear(x.to(at::kDouble), wide, bias.to(at::kDouble));
+        at::Tensor term_scale = at::matmul(x.abs().to(at::kDouble), wide.abs().t()) + bias.abs().to(at::kDouble);
+        for (Isa isa : kernels::supported_isas()) {
+          SCOPED_TRACE(testing::Message() << kernels::isa_name(isa) << " " << at::toString(wt) << " rows " << rows
+                                          << " [" << out << ", " << in << "]");
+          at::Tensor got = kernels::linear_on(isa, x, weight, bias);
+          ASSERT_EQ(got.sizes(), (std::vector<int64_t>{rows, out}));
+          EXPECT_LT(relative_error(got, want, term_scale), 4e-6 * std::sqrt(static_cast<double>(in)));
+          at::Tensor no_bias = kernels::linear_on(isa, x, weight);
+          EXPECT_LT(relative_error(no_bias, want - bias.to(at::kDouble), term_scale),
+                    4e-6 * std::sqrt(static_cast<double>(in)));
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuKernels, LinearKeepsLeadingDimsAndRoutesManyRowsToAten) {
+  at::manual_seed(4);
+  at::Tensor weight = at::randn({24, 40}).to(at::kBFloat16);
+  for (int64_t s : {1, 5, 40}) {  // 2 * s rows: kernel for the first two, ATen for 80 rows
+    at::Tensor x = at::randn({2, s, 40});
+    at::Tensor y = kernels::linear(x, weight);
+    ASSERT_EQ(y.sizes(), (std::vector<int64_t>{2, s, 24}));
+    EXPECT_TRUE(at::allclose(y, at::linear(x, weight.to(at::kFloat)), 1e-4, 1e-5));
+  }
+}
+
+TEST(CpuKernels, WidenIsExactForEvery16BitPattern) {
+  // All 65536 bit patterns: normals, subnormals, zeros, infinities and NaNs of both formats.
+  at::Tensor bits = at::arange(0, 65536, at::kInt).to(at::kShort);
+  for (at::ScalarType t : {at::kBFloat16, at::kHalf}) {
+    at::Tensor h = at::empty({256, 256}, t);
+    std::memcpy(h.data_ptr(), bits.data_ptr(), 65536 * 2);
+    at::Tensor want = h.to(at::kFloat);
+    for (Isa isa : kernels::supported_isas()) {
+      at::Tensor got = kernels::widen_on(isa, h);
+      // Equal as numbers, NaN where NaN (payloads may differ).
+      EXPECT_TRUE(at::equal(got.isnan(), want.isnan())) << kernels::isa_name(isa) << " " << at::toString(t);
+      EXPECT_TRUE(at::equal(got.nan_to_num(0), want.nan_to_num(0))) << kernels::isa_name(isa) << " " << at::toString(t);
+    }
+  }
+}
+
+TEST(CpuKernels, LinearRefusesWhatItCannotRun) {
+  at::Tensor x = at::randn({2, 8});
+  EXPECT_THROW(kernels::linear_on(Isa::kPortable, x, at::randn({4, 9})), Error);                  // width
+  EXPECT_THROW(kernels::linear_on(Isa::kPortable, x, at::randn({4, 8}), at::randn({5})), Error);  // bias
+  EXPECT_THROW(kernels::linear_on(Isa::kPortable, x, at::randn({8, 4}).t()), Error);              // not contiguous
+  EXPECT_THROW(kernels::linear_on(Isa::kPortable, x, at::randn({4, 8}).to(at::kDouble)), Error);  // dtype
+}
+
+/// Masked softmax attention in float64, one query head at a time (GQA by head / groups).
+at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& real,
+                               int64_t first_query_key, double scale) {
+  const int64_t b = q.size(0), heads = q.size(1), s = q.size(2), keys = k.size(2);
+  const int64_t groups = heads / k.size(1);
+  at::Tensor out = at::zeros(q.sizes(), at::kDouble);
+  for (int64_t r = 0; r < b; ++r) {
+    for (int64_t h = 0; h < heads; ++h) {
+      at::Tensor kh = k[r][h / groups].to(at::kDouble), vh = v[r][h / groups].to(at::kDouble);
+      for (int64_t c = 0; c < s; ++c) {
+        at::Tensor scores = at::mv(kh, q[r][h][c].to(at::kDouble)) * scale;
+        at::Tensor visible = at::arange(keys).le(first_query_key + c).logical_and(real[r].to(at::kBool));
+        scores = scores.masked_fill(visible.logical_not(), std::numeric_limits<double>::lowest());
+        out[r][h][c] = at::mv(vh.t(), at::softmax(scores, 0));
+      }
+    }
+  }
+  return out;
+}
+
+TEST(CpuKernels, DecodeAttentionMatchesFloat64OverACacheViewWithPaddingAndCausalColumns) {
+  at::manual_seed(5);
+  const int64_t b = 2, heads = 6, kv = 2, d = 40, capacity = 50;  // d: 2.5 AVX-512 vectors
+  for (int64_t keys : {1, 9, 33, 47}) {
+    for (int64_t s : {1, 3}) {
+      if (s > keys) continue;
+      // The cache holds `capacity` columns; the kernel reads the first `keys` in place.
+      at::Tensor k_cache = at::randn({b, kv, capacity, d}), v_cache = at::randn({b, kv, capacity, d});
+      at::Tensor k = k_cache.narrow(2, 0, keys), v = v_cache.narrow(2, 0, keys);
+      at::Tensor q = at::randn({b, heads, s, d});
+      at::Tensor real = at::ones({b, keys}, at::kLong);
+      real[1].narrow(0, 0, keys / 2).fill_(0);  // row 1 left-padded
+      const int64_t first = keys - s;
+      at::Tensor want = reference_attention(q, k, v, real, first, 0.125);
+      for (Isa isa : kernels::supported_isas()) {
+        SCOPED_TRACE(testing::Message() << kernels::isa_name(isa) << " keys " << keys << " s " << s);
+        at::Tensor got = kernels::decode_attention_on(isa, q, k, v, real, first, 0.125);
+        ASSERT_EQ(got.sizes(), q.sizes());
+        EXPECT_LT((got.to(at::kDouble) - want).abs().max().item<double>(), 2e-5);
+      }
+    }
+  }
+}
+
+TEST(CpuKernels, DecodeAttentionOverLongCachesAndWideScoresOnHeadDimsOfEveryPath) {
+  // Scores spread over tens of units (the exponential's whole useful range), 2048 keys, head
+  // dims 64 and 128 (the register-blocked value pass) and 24 (vector plus scalar columns).
+  at::manual_seed(6);
+  for (int64_t d : {24, 64, 128}) {
+    const int64_t keys = 2048;
+    at::Tensor q = at::randn({1, 8, 1, d}) * 2, k = at::randn({1, 2, keys, d}) * 2, v = at::randn({1, 2, keys, d});
+    at::Tensor real = at::ones({1, keys}, at::kBool);
+    real[0].narrow(0, 0, 100).fill_(false);
+    at::Tensor want = reference_attention(q, k, v, real, keys - 1, 1.0 / std::sqrt(static_cast<double>(d)));
+    for (Isa isa : kernels::supported_isas()) {
+      at::Tensor got =
+          kernels::decode_attention_on(isa, q, k, v, real, keys - 1, 1.0 / std::sqrt(static_cast<double>(d)));
+      EXPECT_LT((got.to(at::kDouble) - want).abs().max().item<double>(), 2e-5) << kernels::isa_name(isa) << " d " << d;
+    }
+  }
+}
+
+TEST(CpuKernels, DecodeAttentionWithEveryKeyBlockedAveragesAllValues) {
+  at::Tensor q = at::randn({1, 2, 1, 16}), k = at::randn({1, 1, 5, 16}), v = at::randn({1, 1, 5, 16});
+  at::Tensor real = at::zeros({1, 5}, at::kBool);
+  at::Tensor want = reference_attention(q, k, v, real, 4, 0.25);
+  for (Isa isa : kernels::supported_isas()) {
+    at::Tensor got = kernels::decode_attention_on(isa, q, k, v, real, 4, 0.25);
+    EXPECT_LT((got.to(at::kDouble) - want).abs().max().item<double>(), 1e-5) << kernels::isa_name(isa);
+  }
+}
+
+TEST(CpuKernels, DecodeAttentionRefusesMismatchedShapes) {
+  at::Tensor q = at::randn({1, 3, 1, 16}), k = at::randn({1, 2, 5, 16});
+  EXPECT_THROW(kernels::decode_attention(q, k, k, at::ones({1, 5}), 4, 1.0), Error);  // 3 heads over 2 KV heads
+  at::Tensor q2 = at::randn({1, 4, 1, 16});
+  EXPECT_THROW(kernels::decode_attention(q2, k, k, at::ones({1, 6}), 4, 1.0), Error);  // key_real width
+}
+
+}  // namespace
+}  // namespace vlmgen
