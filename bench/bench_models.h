@@ -106,6 +106,7 @@ inline std::vector<std::string> supported_isa_names() {
   return out;
 }
 
-int run_speed_report(int rounds, const std::string& json_path);  // speed_report.cpp
+int run_speed_report(int rounds, const std::string& json_path);                  // speed_report.cpp
+int run_memory_report(const std::string& dtype, const std::string& checkpoint);  // speed_report.cpp
 
 }  // namespace vlmgen::bench

@@ -3,15 +3,21 @@
 //   KV decode ms/token at contexts 128, 512, 2048 (batch 1); decode throughput at batch 1, 4, 16
 //   (context 128); prefill tokens/s of 512- and 2048-token prompts; resident memory against the
 //   weights' bytes; the read bandwidth of this machine measured in the same run, and the share of
-//   it a decode step reaches (weights + KV bytes read per token).
+//   it a decode step reaches (weights + KV bytes read per token). Weights dtypes: f32, bf16 (the
+//   same weights rounded) and fp8 (the same weights through vlmgen's quantizer, 128 x 128 blocks,
+//   decoder linears kept as bytes; embedding and lm_head bf16).
+// vlmgen-bench --memory DTYPE --checkpoint DIR: peak resident memory of one model loaded from DIR
+//   (f32, bf16 or fp8) after a 512-token prompt and 10 decode steps, against its weights + KV.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -23,6 +29,7 @@
 #include "bench_models.h"
 #include "vlmgen/inference_context.h"
 #include "vlmgen/kernels/cpu.h"
+#include "vlmgen/models/quantization.h"
 
 namespace vlmgen::bench {
 namespace {
@@ -46,13 +53,13 @@ std::pair<double, double> rss_mb() {
 
 /// GB/s of a summing read over a buffer far larger than the caches, on the bench's threads.
 double read_bandwidth_gbs() {
-  at::Tensor buffer = at::ones({256 * 1024 * 1024 / 4});  // 256 MB
+  at::Tensor buffer = at::ones({64 * 1024 * 1024});  // 256 MiB
   double best = 0;
   for (int i = 0; i < 5; ++i) {
     auto t = Clock::now();
     volatile float sink = buffer.sum().item<float>();
     (void)sink;
-    best = std::max(best, 256.0 / 1024.0 / seconds_since(t));
+    best = std::max(best, static_cast<double>(buffer.nbytes()) / 1e9 / seconds_since(t));
   }
   return best;
 }
@@ -107,6 +114,27 @@ double median(std::vector<double> v) {
 
 }  // namespace
 
+int run_memory_report(const std::string& dtype, const std::string& checkpoint) {
+  const auto [rss_start, hwm_start] = rss_mb();
+  std::unique_ptr<QwenVl> model =
+      QwenVl::from_checkpoint(checkpoint, ParallelContext::single(), load_options_for_dtype(dtype));
+  const double weights = static_cast<double>(model_bytes(*model)) / 1e6;
+  const QwenVlConfig& c = model->config();
+  const int64_t context = 512;
+  decode_ms(*model, 1, context);  // a prompt and 10 decode steps with a KV cache of context + 9 columns
+  const double kv = 2.0 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * (context + 9) * 4 / 1e6;
+  const auto [rss, hwm] = rss_mb();
+  nlohmann::json out = {{"dtype", dtype},
+                        {"peak_rss_mb", hwm},
+                        {"start_rss_mb", rss_start},
+                        {"weights_mb", weights},
+                        {"kv_mb", kv},
+                        {"context", context},
+                        {"peak_over_weights_and_kv", (hwm - rss_start) / (weights + kv)}};
+  fmt::print("{}\n", out.dump());
+  return 0;
+}
+
 int run_speed_report(int rounds, const std::string& json_path) {
   fmt::print("vlmgen-bench --speed: 100M Qwen2-VL LM, {} thread(s), kernels: {} (supported: {})\n",
              at::get_num_threads(), kernels_enabled() ? kernels::isa_name(kernels::active_isa()) : "off (ATen)",
@@ -120,6 +148,17 @@ int run_speed_report(int rounds, const std::string& json_path) {
     if (std::string(dtype) != "f32") m->convert_weights(parse_weights_dtype(dtype));
     weight_mb[dtype] = static_cast<double>(model_bytes(*m)) / 1e6;
     models[dtype] = std::move(m);
+  }
+  {  // FP8: the same weights through the quantizer (blocks of 128 x 128), computed from the bytes
+    const std::filesystem::path scratch =
+        std::filesystem::temp_directory_path() / fmt::format("vlmgen-bench-fp8-{}", static_cast<long>(::getpid()));
+    models["f32"]->save_checkpoint((scratch / "f32").string());
+    quantize_checkpoint((scratch / "f32").string(), (scratch / "fp8").string());
+    models["fp8"] =
+        QwenVl::from_checkpoint((scratch / "fp8").string(), ParallelContext::single(), load_options_for_dtype("fp8"));
+    weight_mb["fp8"] = static_cast<double>(model_bytes(*models["fp8"])) / 1e6;
+    std::error_code ec;
+    std::filesystem::remove_all(scratch, ec);
   }
   const auto [rss_after, hwm_after] = rss_mb();
 
@@ -135,17 +174,26 @@ int run_speed_report(int rounds, const std::string& json_path) {
       {"prefill tokens/s, 512 tokens", [](QwenVl& m) { return prefill_tokens_per_s(m, 512); }},
       {"prefill tokens/s, 2048 tokens", [](QwenVl& m) { return prefill_tokens_per_s(m, 2048); }},
   };
+  for (auto& [dtype, m] : models) decode_ms(*m, 1, 128);  // first touch of every buffer, not timed
   for (int round = 0; round < rounds; ++round) {
     for (auto& [name, fn] : figures)
       for (auto& [dtype, m] : models) runs[name][dtype].push_back(fn(*m));
   }
   nlohmann::json out;
-  fmt::print("\n{:<34}{:>12}{:>12}{:>12}\n", "figure (medians)", "f32", "bf16", "f32/bf16");
+  fmt::print("\n{:<34}{:>10}{:>10}{:>10}{:>11}{:>11}\n", "figure (medians)", "f32", "bf16", "fp8", "speedup",
+             "speedup");
+  fmt::print("{:<34}{:>30}{:>11}{:>11}\n", "", "", "bf16", "fp8");
   for (auto& [name, fn] : figures) {
-    const double f = median(runs[name]["f32"]), h = median(runs[name]["bf16"]);
+    const double f = median(runs[name]["f32"]), h = median(runs[name]["bf16"]), e = median(runs[name]["fp8"]);
     const bool time = name.find("ms/") != std::string::npos;
-    fmt::print("{:<34}{:>12.2f}{:>12.2f}{:>11.2f}x\n", name, f, h, time ? f / h : h / f);
-    out[name] = {{"f32", f}, {"bf16", h}, {"rounds_f32", runs[name]["f32"]}, {"rounds_bf16", runs[name]["bf16"]}};
+    fmt::print("{:<34}{:>10.2f}{:>10.2f}{:>10.2f}{:>10.2f}x{:>10.2f}x\n", name, f, h, e, time ? f / h : h / f,
+               time ? f / e : e / f);
+    out[name] = {{"f32", f},
+                 {"bf16", h},
+                 {"fp8", e},
+                 {"rounds_f32", runs[name]["f32"]},
+                 {"rounds_bf16", runs[name]["bf16"]},
+                 {"rounds_fp8", runs[name]["fp8"]}};
   }
   auto ratio = [&](const std::string& a, const std::string& b, const char* dtype) {
     return median(runs[a][dtype]) / median(runs[b][dtype]);
@@ -162,7 +210,7 @@ int run_speed_report(int rounds, const std::string& json_path) {
   const QwenVlConfig c = config_100m();
   for (int64_t ctx : {128, 2048}) {
     const double kv_mb = 2.0 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * ctx * 4 / 1e6;
-    for (const char* dtype : {"f32", "bf16"}) {
+    for (const char* dtype : {"f32", "bf16", "fp8"}) {
       const double mb = decode_bytes(*models[dtype]) / 1e6 + kv_mb;
       const double ms = median(runs[fmt::format("decode ms/token, context {}", ctx)][dtype]);
       fmt::print("{} context {}: {:.0f} MB read per token at {:.1f} GB/s = {:.0f}% of the {:.1f} GB/s read bandwidth\n",

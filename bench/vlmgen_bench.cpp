@@ -5,6 +5,7 @@
 //   vlmgen-bench --families [--rounds 3] [--threads N]   decode ms/token of the 100M LM per model family
 //   vlmgen-bench --speed [--rounds 3] [--threads N] [--json out.json]   decode/prefill/memory, f32 vs bf16
 //   vlmgen-bench --write-checkpoint DIR                  the 100M model as an HF checkpoint (for peers)
+//   vlmgen-bench --memory f32|bf16|fp8 --checkpoint DIR  peak RSS of one loaded model (one JSON line)
 //   vlmgen-bench [--benchmark_filter=...]               Google Benchmark micro benchmarks
 //
 // The report measures, in one run: KV-cache and no-cache decode time per token at several
@@ -329,17 +330,28 @@ BENCHMARK(BM_Greedy)->Arg(152064);
 
 int main(int argc, char** argv) {
   vlmgen::detail::prefer_passive_openmp_wait(argv);
-  bool report = false, quick = false, tokenizer = false, families = false, speed = false;
+  bool report = false, quick = false, tokenizer = false, families = false, speed = false, write_checkpoint = false;
   int64_t megabytes = 10;
   int rounds = 3;
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  std::string json, checkpoint;
+  std::string json, checkpoint, memory;
   std::vector<char*> rest = {argv[0]};
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--report") == 0) {
       report = true;
-    } else if (std::strcmp(argv[i], "--write-checkpoint") == 0 && i + 1 < argc) {
+    } else if (std::strcmp(argv[i], "--write-checkpoint") == 0 || std::strcmp(argv[i], "--checkpoint") == 0) {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "error: %s needs a folder\n", argv[i]);
+        return 2;
+      }
+      if (std::strcmp(argv[i], "--write-checkpoint") == 0) write_checkpoint = true;
       checkpoint = argv[++i];
+    } else if (std::strcmp(argv[i], "--memory") == 0) {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "error: --memory needs a dtype (f32, bf16 or fp8)\n");
+        return 2;
+      }
+      memory = argv[++i];
     } else if (std::strcmp(argv[i], "--speed") == 0) {
       speed = true;
     } else if (std::strcmp(argv[i], "--families") == 0) {
@@ -362,7 +374,12 @@ int main(int argc, char** argv) {
   }
   try {
     if (tokenizer) return vlmgen::bench::run_tokenizer_report(megabytes, rounds);
-    if (!checkpoint.empty()) {  // the 100M model of the reports, for peers (bench/llama_cpp_peer.sh)
+    if (!memory.empty()) {
+      if (checkpoint.empty()) throw vlmgen::Error("--memory needs --checkpoint DIR");
+      at::set_num_threads(threads);
+      return vlmgen::bench::run_memory_report(memory, checkpoint);
+    }
+    if (write_checkpoint) {  // the 100M model of the reports, for peers (bench/side_by_side.py)
       vlmgen::QwenVl(vlmgen::bench::config_100m(), 1).save_checkpoint(checkpoint);
       std::printf("wrote the 100M Qwen2-VL bench model (seed 1, float32) to %s\n", checkpoint.c_str());
       return 0;

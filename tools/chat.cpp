@@ -69,8 +69,7 @@ class ChatRunner {
  public:
   ChatRunner(const Options& options, vlmgen::ParallelContext parallel)
       : options_(options), parallel_(std::move(parallel)), lead_(parallel_.rank() == 0) {
-    model_ = vlmgen::QwenVl::from_checkpoint(options.model, parallel_,
-                                             vlmgen::LoadOptions{vlmgen::parse_weights_dtype(options.dtype)});
+    model_ = vlmgen::QwenVl::from_checkpoint(options.model, parallel_, vlmgen::load_options_for_dtype(options.dtype));
     tokenizer_ = std::make_unique<vlmgen::Tokenizer>(vlmgen::Tokenizer::from_pretrained(options.model));
     std::string source;
     auto image_options = vlmgen::checkpoint_image_processor(options.model, model_->config(), &source);
@@ -205,8 +204,9 @@ int main(int argc, char** argv) {
       ->allow_extra_args(false);
   app.add_option("--system", o.system, "system message (default: the template's own)");
   app.add_option("--dtype", o.dtype,
-                 "weights of the language model: f32, bf16 (half the bytes a decode step reads) or f16")
-      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
+                 "weights of the language model: f32, bf16 (half the bytes a decode step reads), f16, or fp8 (an FP8 "
+                 "checkpoint's linears kept as bytes, the rest bf16; CPU)")
+      ->check(CLI::IsMember({"f32", "bf16", "f16", "fp8"}))
       ->capture_default_str();
   app.add_option("--max-new-tokens", o.max_new_tokens, "new tokens per answer at most")->capture_default_str();
   app.add_option("--context", o.context, "KV-cache columns for the whole conversation")->capture_default_str();

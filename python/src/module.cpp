@@ -574,13 +574,15 @@ void bind_models(py::module_& m) {
 
   m.def(
       "load_model",
-      [](const std::string& dir) {
+      [](const std::string& dir, const std::string& dtype) {
+        const LoadOptions options = load_options_for_dtype(dtype);
         py::gil_scoped_release release;
-        return std::shared_ptr<CausalVlm>(load_model(dir));
+        return std::shared_ptr<CausalVlm>(load_model(dir, ParallelContext::single(), options));
       },
-      py::arg("dir"),
+      py::arg("dir"), py::arg("dtype") = "f32",
       "Loads a checkpoint folder (config.json + *.safetensors) of a supported family (qwen2_vl, qwen2_5_vl, "
-      "qwen3_vl) as a vlmgen.Model.");
+      "qwen3_vl) as a vlmgen.Model. dtype: the language model's weights, 'f32' (default), 'bf16', 'f16', or 'fp8' "
+      "(an FP8 checkpoint's linears kept as bytes, the rest bf16; CPU); compute is float32.");
 }
 
 void bind_config(py::module_& m) {

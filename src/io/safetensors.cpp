@@ -1,6 +1,7 @@
 #include "vlmgen/io/safetensors.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -305,6 +306,17 @@ at::Tensor SafetensorsFile::tensor(const std::string& name) const {
   if (bytes > 0) std::memcpy(out.data_ptr(), data_ + e.begin, static_cast<size_t>(bytes));
   check_bool_bytes(out, path_, name);
   return out;
+}
+
+void SafetensorsFile::release(const std::string& name) const {
+  const SafetensorsEntry& e = entry(name);
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(data_ + e.begin);
+  const auto end = reinterpret_cast<uintptr_t>(data_ + e.end);
+  const uintptr_t first = (begin + page - 1) / page * page;  // whole pages inside the tensor only
+  const uintptr_t last = end / page * page;
+  // A private read-only file mapping: the pages are clean, so dropping them loses nothing.
+  if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
 }
 
 at::Tensor SafetensorsFile::narrow(const std::string& name, int64_t dim, int64_t start, int64_t length) const {

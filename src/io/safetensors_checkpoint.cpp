@@ -127,6 +127,11 @@ at::Tensor SafetensorsCheckpoint::tensor(const std::string& name) const {
   return files_[owner_.at(name)]->tensor(name);
 }
 
+void SafetensorsCheckpoint::release(const std::string& name) const {
+  entry(name);
+  files_[owner_.at(name)]->release(name);
+}
+
 at::Tensor SafetensorsCheckpoint::narrow(const std::string& name, int64_t dim, int64_t start, int64_t length) const {
   entry(name);
   return files_[owner_.at(name)]->narrow(name, dim, start, length);

@@ -1,10 +1,13 @@
 // Choosing a kernel path, checking tensors, and spreading the work over ATen's threads.
 
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -16,18 +19,31 @@
 namespace vlmgen::kernels {
 namespace {
 
+/// The CPU reports the path's instructions and this build compiled the path with them (a
+/// compiler without the per-file flags builds the portable code under every name).
 bool cpu_has(Isa isa) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   switch (isa) {
     case Isa::kPortable: return true;
     case Isa::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    case Isa::kAvx512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
+      return raw::avx2_compiled() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    case Isa::kAvx512:
+      return raw::avx512_compiled() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
   }
   return false;
 #else
   return isa == Isa::kPortable;
 #endif
+}
+
+/// True when autograd would record an operation on any of `tensors`: the kernels keep no graph,
+/// so such calls go through ATen.
+bool needs_grad(std::initializer_list<const at::Tensor*> tensors) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : tensors)
+    if (t->defined() && t->requires_grad()) return true;
+  return false;
 }
 
 const char* isa_setting() {
@@ -40,21 +56,63 @@ Isa choose_isa() {
   Isa best = isas.back();
   const char* cap = isa_setting();
   if (*cap == '\0' || std::strcmp(cap, "aten") == 0) return best;
-  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}) {
-    if (std::strcmp(cap, isa_name(isa)) == 0) return std::min(best, isa);
+  for (Isa limit : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}) {
+    if (std::strcmp(cap, isa_name(limit)) != 0) continue;
+    Isa chosen = Isa::kPortable;  // the best supported path at or below the cap
+    for (Isa isa : isas)
+      if (isa <= limit) chosen = isa;
+    if (chosen != limit)
+      std::fprintf(stderr, "vlmgen: VLMGEN_CPU_ISA=%s, but this CPU or build runs %s at most; using %s\n", cap,
+                   isa_name(best), isa_name(chosen));
+    return chosen;
   }
   VLMGEN_FAIL("VLMGEN_CPU_ISA must be portable, avx2, avx512 or aten, got '{}'", cap);
 }
 
-raw::WeightType weight_type(const at::Tensor& w) {
+bool weight_dtype_ok(const at::Tensor& w, const Fp8Scales& fp8) {
+  if (fp8.defined()) return w.scalar_type() == at::kByte && w.dim() == 2;
+  return w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf;
+}
+
+raw::WeightType weight_type(const at::Tensor& w, const Fp8Scales& fp8) {
+  if (fp8.defined()) return fp8.e5m2 ? raw::WeightType::kE5M2 : raw::WeightType::kE4M3;
   switch (w.scalar_type()) {
     case at::kFloat: return raw::WeightType::kF32;
     case at::kBFloat16: return raw::WeightType::kBF16;
     case at::kHalf: return raw::WeightType::kF16;
     default:
-      VLMGEN_FAIL("kernels::linear: weights must be float32, bfloat16 or float16, got {}",
+      VLMGEN_FAIL("kernels: weights must be float32, bfloat16 or float16 (or FP8 bytes with scales), got {}",
                   at::toString(w.scalar_type()));
   }
+}
+
+/// The scale grid of FP8 weight `w` [out, in], checked against its shape, as a contiguous
+/// float32 tensor (undefined without FP8).
+at::Tensor checked_fp8_grid(const at::Tensor& w, const Fp8Scales& fp8) {
+  if (!fp8.defined()) return {};
+  const int64_t out = w.size(0), in = w.size(1);
+  VLMGEN_CHECK(fp8.block_out >= 1 && fp8.block_in >= 1 && (fp8.block_in % 16 == 0 || fp8.block_in >= in),
+               "kernels: FP8 scale blocks must be >= 1 and the input block a multiple of 16 or the whole row, got {} x "
+               "{} for weight {}",
+               fp8.block_out, fp8.block_in, detail::shape_str(w));
+  const std::vector<int64_t> want = {(out + fp8.block_out - 1) / fp8.block_out, (in + fp8.block_in - 1) / fp8.block_in};
+  VLMGEN_CHECK(fp8.grid.dim() == 2 && fp8.grid.sizes().vec() == want && fp8.grid.scalar_type() == at::kFloat &&
+                   fp8.grid.device().is_cpu(),
+               "kernels: the FP8 scale grid of weight {} in blocks of {} x {} must be float32 [{}, {}], got {} {}",
+               detail::shape_str(w), fp8.block_out, fp8.block_in, want[0], want[1],
+               at::toString(fp8.grid.scalar_type()), detail::shape_str(fp8.grid));
+  return fp8.grid.contiguous();
+}
+
+raw::Fp8Scales raw_scales(const at::Tensor& grid, const Fp8Scales& fp8) {
+  raw::Fp8Scales r;
+  if (!grid.defined()) return r;
+  r.grid = grid.data_ptr<float>();
+  r.grid_cols = grid.size(1);
+  r.block_out = fp8.block_out;
+  r.block_in = fp8.block_in;
+  r.factor = fp8.e5m2 ? 1.0f : 256.0f;  // E4M3 bytes read as halves are 2^-8 of their value
+  return r;
 }
 
 void run_rows_linear(Isa isa, const raw::RowsLinear& a, int64_t begin, int64_t end) {
@@ -65,11 +123,11 @@ void run_rows_linear(Isa isa, const raw::RowsLinear& a, int64_t begin, int64_t e
   }
 }
 
-void run_widen(Isa isa, const void* src, raw::WeightType type, float* dst, int64_t begin, int64_t end) {
+void run_widen(Isa isa, const raw::WidenArgs& a, int64_t begin, int64_t end) {
   switch (isa) {
-    case Isa::kAvx512: return raw::widen_avx512(src, type, dst, begin, end);
-    case Isa::kAvx2: return raw::widen_avx2(src, type, dst, begin, end);
-    case Isa::kPortable: return raw::widen_portable(src, type, dst, begin, end);
+    case Isa::kAvx512: return raw::widen_avx512(a, begin, end);
+    case Isa::kAvx2: return raw::widen_avx2(a, begin, end);
+    case Isa::kPortable: return raw::widen_portable(a, begin, end);
   }
 }
 
@@ -81,11 +139,9 @@ void run_attention(Isa isa, const raw::HeadGroupAttention& a) {
   }
 }
 
-bool kernel_fits(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+bool kernel_fits(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const Fp8Scales& fp8) {
   return x.device().is_cpu() && weight.device().is_cpu() && x.scalar_type() == at::kFloat && weight.dim() == 2 &&
-         weight.is_contiguous() &&
-         (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16 ||
-          weight.scalar_type() == at::kHalf) &&
+         weight.is_contiguous() && weight_dtype_ok(weight, fp8) &&
          (!bias.defined() || (bias.scalar_type() == at::kFloat && bias.device().is_cpu()));
 }
 
@@ -117,19 +173,24 @@ bool enabled() {
   return on;
 }
 
-at::Tensor linear_on(Isa isa, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+at::Tensor linear_on(Isa isa, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                     const Fp8Scales& fp8) {
   VLMGEN_CHECK(cpu_has(isa), "kernels::linear: this CPU cannot run the {} path", isa_name(isa));
-  VLMGEN_CHECK(kernel_fits(x, weight, bias),
-               "kernels::linear: needs float32 input, a contiguous 2-D float32/bfloat16/float16 weight and a float32 "
-               "bias on the CPU, got input {} {}, weight {} {}",
+  VLMGEN_CHECK(!needs_grad({&x, &weight, &bias}),
+               "kernels::linear_on keeps no autograd graph, but an input requires grad (use kernels::linear, or "
+               "run under at::NoGradGuard / c10::InferenceMode)");
+  VLMGEN_CHECK(kernel_fits(x, weight, bias, fp8),
+               "kernels::linear: needs float32 input, a contiguous 2-D float32/bfloat16/float16 weight (or uint8 FP8 "
+               "bytes with their scales) and a float32 bias on the CPU, got input {} {}, weight {} {}{}",
                at::toString(x.scalar_type()), detail::shape_str(x), at::toString(weight.scalar_type()),
-               detail::shape_str(weight));
+               detail::shape_str(weight), fp8.defined() ? " with FP8 scales" : "");
   const int64_t in = weight.size(1);
   const int64_t out_features = weight.size(0);
   VLMGEN_CHECK(x.dim() >= 1 && x.size(-1) == in, "kernels::linear: input {} does not end in the weight's {} columns",
                detail::shape_str(x), in);
   VLMGEN_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == out_features),
                "kernels::linear: bias {} must be [{}]", detail::shape_str(bias), out_features);
+  const at::Tensor grid = checked_fp8_grid(weight, fp8);
   const int64_t rows = in == 0 ? 0 : x.numel() / in;
   at::Tensor flat = x.reshape({rows, in}).contiguous();
   at::Tensor b = bias.defined() ? bias.contiguous() : bias;
@@ -138,12 +199,13 @@ at::Tensor linear_on(Isa isa, const at::Tensor& x, const at::Tensor& weight, con
                     in,
                     rows,
                     weight.data_ptr(),
-                    weight_type(weight),
+                    weight_type(weight, fp8),
                     in,
                     b.defined() ? b.data_ptr<float>() : nullptr,
                     y.data_ptr<float>(),
                     out_features,
-                    out_features};
+                    out_features,
+                    raw_scales(grid, fp8)};
   if (rows > 0 && out_features > 0) {
     // About 64 KiB of weights per task, in whole output tiles of 4.
     const int64_t row_bytes = std::max<int64_t>(1, in * static_cast<int64_t>(weight.element_size()));
@@ -159,38 +221,55 @@ at::Tensor linear_on(Isa isa, const at::Tensor& x, const at::Tensor& weight, con
   return y.view(shape);
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const Fp8Scales& fp8) {
+  VLMGEN_CHECK(x.dim() >= 1, "kernels::linear: the input must have a feature dimension, got {}", detail::shape_str(x));
   const int64_t in = x.size(-1);
   const int64_t rows = in == 0 ? 0 : x.numel() / in;
-  if (rows <= kMaxFastRows && kernel_fits(x, weight, bias) && enabled())
-    return linear_on(active_isa(), x, weight, bias);
-  if (x.scalar_type() == at::kFloat && kernel_fits(x, weight, bias) && weight.scalar_type() != at::kFloat &&
-      enabled()) {
-    return detail::linear(x, widen_on(active_isa(), weight), bias);  // ATen's own widening is ~10x slower
+  const bool fits = kernel_fits(x, weight, bias, fp8) && !needs_grad({&x, &weight, &bias});
+  // 16-bit and FP8 weights stay on the kernel for more rows: widening them costs a pass over the
+  // matrix, which a few more rows of kernel work pays for.
+  const int64_t max_rows = weight.scalar_type() == at::kFloat ? kMaxFastRows : kMaxFastRowsNarrow;
+  if (rows <= max_rows && fits && enabled()) return linear_on(active_isa(), x, weight, bias, fp8);
+  // Many rows: ATen's GEMM on float32 weights, widened here (ATen's own bfloat16 widening is ~10x
+  // slower, and it cannot read FP8 at all).
+  if (fits && (fp8.defined() || (weight.scalar_type() != at::kFloat && enabled())))
+    return detail::linear(x, widen_on(active_isa(), weight, fp8), bias);
+  VLMGEN_CHECK(!fp8.defined(), "kernels::linear: FP8 weights need float32 input on the CPU, got {} on {}",
+               at::toString(x.scalar_type()), x.device().str());
+  if (!x.device().is_cpu() && weight.scalar_type() != x.scalar_type() && at::isFloatingType(weight.scalar_type())) {
+    // A 16-bit model on an accelerator computes in its weights' dtype (no per-call widened copy).
+    const at::Tensor b = bias.defined() ? bias.to(weight.scalar_type()) : bias;
+    return detail::linear(x.to(weight.scalar_type()), weight, b).to(x.scalar_type());
   }
   const at::Tensor w = weight.scalar_type() == x.scalar_type() ? weight : weight.to(x.scalar_type());
   return detail::linear(x, w, bias);
 }
 
-at::Tensor widen_on(Isa isa, const at::Tensor& weight) {
+at::Tensor widen_on(Isa isa, const at::Tensor& weight, const Fp8Scales& fp8) {
   VLMGEN_CHECK(cpu_has(isa), "kernels::widen: this CPU cannot run the {} path", isa_name(isa));
-  VLMGEN_CHECK(weight.device().is_cpu() && weight.is_contiguous() &&
-                   (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16 ||
-                    weight.scalar_type() == at::kHalf),
-               "kernels::widen: needs a contiguous float32/bfloat16/float16 CPU tensor, got {} {}",
+  VLMGEN_CHECK(weight.device().is_cpu() && weight.is_contiguous() && weight_dtype_ok(weight, fp8),
+               "kernels::widen: needs a contiguous float32/bfloat16/float16 CPU tensor (or 2-D uint8 FP8 bytes with "
+               "their scales), got {} {}",
                at::toString(weight.scalar_type()), detail::shape_str(weight));
+  const at::Tensor grid = checked_fp8_grid(weight, fp8);
   at::Tensor out = at::empty(weight.sizes(), weight.options().dtype(at::kFloat));
-  const raw::WeightType type = weight_type(weight);
-  const void* src = weight.data_ptr();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, weight.numel(), 1 << 16,
-                   [&](int64_t begin, int64_t end) { run_widen(isa, src, type, dst, begin, end); });
+  raw::WidenArgs a{weight.data_ptr(), weight_type(weight, fp8), out.data_ptr<float>(),
+                   weight.dim() == 2 ? weight.size(1) : 1, raw_scales(grid, fp8)};
+  if (fp8.defined()) {  // by rows
+    at::parallel_for(0, weight.size(0), std::max<int64_t>(1, 65536 / std::max<int64_t>(1, weight.size(1))),
+                     [&](int64_t begin, int64_t end) { run_widen(isa, a, begin, end); });
+  } else {
+    at::parallel_for(0, weight.numel(), 1 << 16, [&](int64_t begin, int64_t end) { run_widen(isa, a, begin, end); });
+  }
   return out;
 }
 
 at::Tensor decode_attention_on(Isa isa, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& key_real, int64_t first_query_key, double scale) {
   VLMGEN_CHECK(cpu_has(isa), "kernels::decode_attention: this CPU cannot run the {} path", isa_name(isa));
+  VLMGEN_CHECK(!needs_grad({&q, &k, &v}),
+               "kernels::decode_attention keeps no autograd graph, but q, k or v requires grad (run under "
+               "at::NoGradGuard / c10::InferenceMode)");
   VLMGEN_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
                    q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
                "kernels::decode_attention: q [B, heads, S, D] and k, v [B, kv_heads, K, D] with heads a multiple of "
@@ -198,12 +277,14 @@ at::Tensor decode_attention_on(Isa isa, const at::Tensor& q, const at::Tensor& k
                detail::shape_str(q), detail::shape_str(k), detail::shape_str(v));
   const int64_t b = q.size(0), heads = q.size(1), s = q.size(2), dim = q.size(3);
   const int64_t kv_heads = k.size(1), keys = k.size(2);
-  VLMGEN_CHECK(key_real.dim() == 2 && key_real.size(0) == b && key_real.size(1) == keys,
-               "kernels::decode_attention: key_real must be [{}, {}], got {}", b, keys, detail::shape_str(key_real));
+  VLMGEN_CHECK(key_real.dim() == 2 && key_real.size(0) == b && key_real.size(1) == keys && key_real.device().is_cpu(),
+               "kernels::decode_attention: key_real must be [{}, {}] on the CPU, got {} on {}", b, keys,
+               detail::shape_str(key_real), key_real.device().str());
   VLMGEN_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
                    q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-               "kernels::decode_attention: float32 CPU tensors expected, got q {}, k {}, v {}",
-               at::toString(q.scalar_type()), at::toString(k.scalar_type()), at::toString(v.scalar_type()));
+               "kernels::decode_attention: float32 CPU tensors expected, got q {} on {}, k {} on {}, v {} on {}",
+               at::toString(q.scalar_type()), q.device().str(), at::toString(k.scalar_type()), k.device().str(),
+               at::toString(v.scalar_type()), v.device().str());
   // K and V are read in place when each row of D floats is contiguous and rows are evenly spaced.
   auto rows_in_place = [](const at::Tensor& t) {
     return t.stride(3) == 1 && (t.size(2) <= 1 || t.stride(2) >= t.size(3));
@@ -212,7 +293,7 @@ at::Tensor decode_attention_on(Isa isa, const at::Tensor& q, const at::Tensor& k
   const at::Tensor vv = rows_in_place(v) && v.strides() == kk.strides() ? v : v.contiguous();
   const at::Tensor k2 = kk.strides() == vv.strides() ? kk : kk.contiguous();
   const at::Tensor qq = q.contiguous();
-  const at::Tensor real = key_real.to(at::kByte).contiguous();
+  const at::Tensor real = key_real.ne(0).to(at::kByte).contiguous();
   at::Tensor out = at::empty({b, heads, s, dim}, q.options());
   const int64_t groups = heads / kv_heads;
   at::parallel_for(0, b * kv_heads, 1, [&](int64_t begin, int64_t end) {

@@ -22,6 +22,15 @@ struct Avx2 {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
   static V load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static V load_e4m3(const uint8_t* p) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    const __m128i rest = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7);
+    return _mm256_cvtph_ps(_mm_or_si128(sign, rest));
+  }
+  static V load_e5m2(const uint8_t* p) {
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8));
+  }
   static V fma(V a, V b, V acc) { return _mm256_fmadd_ps(a, b, acc); }
   static float sum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -31,7 +40,7 @@ struct Avx2 {
   }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V exp(V x) {
-    x = _mm256_max_ps(x, set1(kExpLowest));
+    x = _mm256_max_ps(set1(kExpLowest), x);  // a NaN x stays NaN (max takes the second on NaN)
     const V n = _mm256_round_ps(_mm256_mul_ps(x, set1(kLog2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const V r = _mm256_fnmadd_ps(n, set1(kLn2Low), _mm256_fnmadd_ps(n, set1(kLn2High), x));
     // 2^n built in the exponent field: n >= -126 after the clamp, and n <= 0 for x <= 0.
@@ -44,9 +53,9 @@ struct Avx2 {
 
 void rows_linear_avx2(const RowsLinear& a, int64_t o_begin, int64_t o_end) { rows_linear<Avx2>(a, o_begin, o_end); }
 void attention_avx2(const HeadGroupAttention& a) { attention<Avx2>(a); }
-void widen_avx2(const void* src, WeightType type, float* dst, int64_t begin, int64_t end) {
-  widen<Avx2>(src, type, dst, begin, end);
-}
+void widen_avx2(const WidenArgs& a, int64_t begin, int64_t end) { widen<Avx2>(a, begin, end); }
+
+bool avx2_compiled() { return true; }
 
 }  // namespace vlmgen::kernels::raw
 
@@ -55,8 +64,7 @@ void widen_avx2(const void* src, WeightType type, float* dst, int64_t begin, int
 namespace vlmgen::kernels::raw {
 void rows_linear_avx2(const RowsLinear& a, int64_t o_begin, int64_t o_end) { rows_linear_portable(a, o_begin, o_end); }
 void attention_avx2(const HeadGroupAttention& a) { attention_portable(a); }
-void widen_avx2(const void* src, WeightType type, float* dst, int64_t begin, int64_t end) {
-  widen_portable(src, type, dst, begin, end);
-}
+void widen_avx2(const WidenArgs& a, int64_t begin, int64_t end) { widen_portable(a, begin, end); }
+bool avx2_compiled() { return false; }
 }  // namespace vlmgen::kernels::raw
 #endif

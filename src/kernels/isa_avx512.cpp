@@ -24,11 +24,21 @@ struct Avx512 {
   static V load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  static V load_e4m3(const uint8_t* p) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
+    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+  }
+  static V load_e5m2(const uint8_t* p) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+  }
   static V fma(V a, V b, V acc) { return _mm512_fmadd_ps(a, b, acc); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V exp(V x) {
-    x = _mm512_max_ps(x, set1(kExpLowest));
+    x = _mm512_max_ps(set1(kExpLowest), x);  // a NaN x stays NaN (max takes the second on NaN)
     const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(kLog2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const V r = _mm512_fnmadd_ps(n, set1(kLn2Low), _mm512_fnmadd_ps(n, set1(kLn2High), x));
     return _mm512_scalef_ps(exp_reduced<Avx512>(r), n);
@@ -39,9 +49,9 @@ struct Avx512 {
 
 void rows_linear_avx512(const RowsLinear& a, int64_t o_begin, int64_t o_end) { rows_linear<Avx512>(a, o_begin, o_end); }
 void attention_avx512(const HeadGroupAttention& a) { attention<Avx512>(a); }
-void widen_avx512(const void* src, WeightType type, float* dst, int64_t begin, int64_t end) {
-  widen<Avx512>(src, type, dst, begin, end);
-}
+void widen_avx512(const WidenArgs& a, int64_t begin, int64_t end) { widen<Avx512>(a, begin, end); }
+
+bool avx512_compiled() { return true; }
 
 }  // namespace vlmgen::kernels::raw
 
@@ -52,8 +62,7 @@ void rows_linear_avx512(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
   rows_linear_portable(a, o_begin, o_end);
 }
 void attention_avx512(const HeadGroupAttention& a) { attention_portable(a); }
-void widen_avx512(const void* src, WeightType type, float* dst, int64_t begin, int64_t end) {
-  widen_portable(src, type, dst, begin, end);
-}
+void widen_avx512(const WidenArgs& a, int64_t begin, int64_t end) { widen_portable(a, begin, end); }
+bool avx512_compiled() { return false; }
 }  // namespace vlmgen::kernels::raw
 #endif

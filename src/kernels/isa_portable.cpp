@@ -35,6 +35,16 @@ struct Portable {
     for (int i = 0; i < 8; ++i) v.lane[i] = f16_to_float(p[i]);
     return v;
   }
+  static V load_e4m3(const uint8_t* p) {
+    V v;
+    for (int i = 0; i < 8; ++i) v.lane[i] = f16_to_float(fp8_half_bits(p[i], WeightType::kE4M3));
+    return v;
+  }
+  static V load_e5m2(const uint8_t* p) {
+    V v;
+    for (int i = 0; i < 8; ++i) v.lane[i] = f16_to_float(fp8_half_bits(p[i], WeightType::kE5M2));
+    return v;
+  }
   static V fma(V a, V b, V acc) {
     for (int i = 0; i < 8; ++i) acc.lane[i] += a.lane[i] * b.lane[i];
     return acc;
@@ -59,8 +69,6 @@ void rows_linear_portable(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
   rows_linear<Portable>(a, o_begin, o_end);
 }
 void attention_portable(const HeadGroupAttention& a) { attention<Portable>(a); }
-void widen_portable(const void* src, WeightType type, float* dst, int64_t begin, int64_t end) {
-  widen<Portable>(src, type, dst, begin, end);
-}
+void widen_portable(const WidenArgs& a, int64_t begin, int64_t end) { widen<Portable>(a, begin, end); }
 
 }  // namespace vlmgen::kernels::raw

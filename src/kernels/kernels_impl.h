@@ -46,14 +46,27 @@ inline float f16_to_float(uint16_t h) {
   return f;
 }
 
+constexpr bool is_fp8(WeightType t) { return t == WeightType::kE4M3 || t == WeightType::kE5M2; }
+
 template <WeightType T>
-using WeightElement = typename std::conditional<T == WeightType::kF32, float, uint16_t>::type;
+using WeightElement = typename std::conditional<T == WeightType::kF32, float,
+                                                typename std::conditional<is_fp8(T), uint8_t, uint16_t>::type>::type;
+
+/// An FP8 byte as the half-precision value with the same bits in place: E5M2 is exactly the top
+/// byte of an IEEE half; E4M3 (bias 7, 3 mantissa bits) shifted into a half's exponent and
+/// mantissa fields reads as its value times 2^-8 (normal and subnormal alike). The 2^8 goes into
+/// the scale (kE4M3Factor). E4M3's NaN bytes (0x7f, 0xff) are refused when weights are loaded.
+inline uint16_t fp8_half_bits(uint8_t b, WeightType t) {
+  if (t == WeightType::kE5M2) return static_cast<uint16_t>(b << 8);
+  return static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+}
 
 template <WeightType T>
 inline float weight_at(const void* w, int64_t index) {
   if constexpr (T == WeightType::kF32) return static_cast<const float*>(w)[index];
   if constexpr (T == WeightType::kBF16) return bf16_to_float(static_cast<const uint16_t*>(w)[index]);
   if constexpr (T == WeightType::kF16) return f16_to_float(static_cast<const uint16_t*>(w)[index]);
+  if constexpr (is_fp8(T)) return f16_to_float(fp8_half_bits(static_cast<const uint8_t*>(w)[index], T));
 }
 
 template <class Vec, WeightType T>
@@ -61,6 +74,13 @@ inline typename Vec::V load_weights(const void* w, int64_t index) {
   if constexpr (T == WeightType::kF32) return Vec::load(static_cast<const float*>(w) + index);
   if constexpr (T == WeightType::kBF16) return Vec::load_bf16(static_cast<const uint16_t*>(w) + index);
   if constexpr (T == WeightType::kF16) return Vec::load_f16(static_cast<const uint16_t*>(w) + index);
+  if constexpr (T == WeightType::kE4M3) return Vec::load_e4m3(static_cast<const uint8_t*>(w) + index);
+  if constexpr (T == WeightType::kE5M2) return Vec::load_e5m2(static_cast<const uint8_t*>(w) + index);
+}
+
+/// The multiplier of an FP8 weight's raw value at (row o, column i): its block's scale.
+inline float fp8_scale_at(const Fp8Scales& q, int64_t o, int64_t i) {
+  return q.grid[(o / q.block_out) * q.grid_cols + i / q.block_in] * q.factor;
 }
 
 /// Outputs [o, o + OT) of rows [r, r + RT): each weight vector is loaded once for the RT rows.
@@ -73,6 +93,9 @@ void linear_tile(const RowsLinear& a, int64_t o, int64_t r) {
   V acc[OT][RT];
   for (int oo = 0; oo < OT; ++oo)
     for (int rr = 0; rr < RT; ++rr) acc[oo][rr] = Vec::zero();
+  [[maybe_unused]] V scales[OT];  // FP8: the current block's scale of each output row
+  if constexpr (is_fp8(T))
+    for (int oo = 0; oo < OT; ++oo) scales[oo] = Vec::zero();  // set at i = 0 (a block boundary)
   // The next tile's weight rows are fetched while this tile computes (the hardware prefetcher
   // alone leaves a single thread well below the machine's read bandwidth on 16-bit rows).
   const char* next = static_cast<const char*>(a.w) + (o + OT) * in * static_cast<int64_t>(sizeof(WeightElement<T>));
@@ -84,8 +107,13 @@ void linear_tile(const RowsLinear& a, int64_t o, int64_t r) {
     }
     V xv[RT];
     for (int rr = 0; rr < RT; ++rr) xv[rr] = Vec::load(a.x + (r + rr) * a.ldx + i);
+    if constexpr (is_fp8(T)) {  // block_in is a multiple of L: a block boundary starts a vector
+      if (i % a.fp8.block_in == 0)
+        for (int oo = 0; oo < OT; ++oo) scales[oo] = Vec::set1(fp8_scale_at(a.fp8, o + oo, i));
+    }
     for (int oo = 0; oo < OT; ++oo) {
-      const V w = load_weights<Vec, T>(a.w, (o + oo) * in + i);
+      V w = load_weights<Vec, T>(a.w, (o + oo) * in + i);
+      if constexpr (is_fp8(T)) w = Vec::fma(w, scales[oo], Vec::zero());
       for (int rr = 0; rr < RT; ++rr) acc[oo][rr] = Vec::fma(w, xv[rr], acc[oo][rr]);
     }
   }
@@ -93,7 +121,11 @@ void linear_tile(const RowsLinear& a, int64_t o, int64_t r) {
     for (int rr = 0; rr < RT; ++rr) {
       float s = Vec::sum(acc[oo][rr]);
       const float* x = a.x + (r + rr) * a.ldx;
-      for (int64_t i = vector_end; i < in; ++i) s += weight_at<T>(a.w, (o + oo) * in + i) * x[i];
+      for (int64_t i = vector_end; i < in; ++i) {
+        float w = weight_at<T>(a.w, (o + oo) * in + i);
+        if constexpr (is_fp8(T)) w *= fp8_scale_at(a.fp8, o + oo, i);
+        s += w * x[i];
+      }
       if (a.bias != nullptr) s += a.bias[o + oo];
       a.y[(r + rr) * a.ldy + o + oo] = s;
     }
@@ -135,24 +167,41 @@ void rows_linear(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
     case WeightType::kF32: return rows_linear_typed<Vec, WeightType::kF32>(a, o_begin, o_end);
     case WeightType::kBF16: return rows_linear_typed<Vec, WeightType::kBF16>(a, o_begin, o_end);
     case WeightType::kF16: return rows_linear_typed<Vec, WeightType::kF16>(a, o_begin, o_end);
+    case WeightType::kE4M3: return rows_linear_typed<Vec, WeightType::kE4M3>(a, o_begin, o_end);
+    case WeightType::kE5M2: return rows_linear_typed<Vec, WeightType::kE5M2>(a, o_begin, o_end);
   }
 }
 
 template <class Vec, WeightType T>
-void widen_typed(const void* src, float* dst, int64_t begin, int64_t end) {
+void widen_typed(const WidenArgs& a, int64_t begin, int64_t end) {
   constexpr int64_t L = Vec::kLanes;
-  int64_t i = begin;
-  for (; i + L <= end; i += L) Vec::store(dst + i, load_weights<Vec, T>(src, i));
-  for (; i < end; ++i) dst[i] = weight_at<T>(src, i);
+  if constexpr (is_fp8(T)) {  // row by row: [begin, end) counts rows of a.cols weights
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t base = row * a.cols;
+      int64_t i = 0;
+      for (; i + L <= a.cols; i += L) {  // block_in is a multiple of L
+        const typename Vec::V w = load_weights<Vec, T>(a.src, base + i);
+        Vec::store(a.dst + base + i, Vec::fma(w, Vec::set1(fp8_scale_at(a.fp8, row, i)), Vec::zero()));
+      }
+      for (; i < a.cols; ++i) a.dst[base + i] = weight_at<T>(a.src, base + i) * fp8_scale_at(a.fp8, row, i);
+    }
+  } else {  // [begin, end) counts elements
+    int64_t i = begin;
+    for (; i + L <= end; i += L) Vec::store(a.dst + i, load_weights<Vec, T>(a.src, i));
+    for (; i < end; ++i) a.dst[i] = weight_at<T>(a.src, i);
+  }
 }
 
-/// dst[i] = float(src[i]) for i in [begin, end).
+/// a.dst = the weights of a.src as float32 (FP8: times their scales), over [begin, end): elements,
+/// or rows for FP8.
 template <class Vec>
-void widen(const void* src, WeightType type, float* dst, int64_t begin, int64_t end) {
-  switch (type) {
-    case WeightType::kF32: return widen_typed<Vec, WeightType::kF32>(src, dst, begin, end);
-    case WeightType::kBF16: return widen_typed<Vec, WeightType::kBF16>(src, dst, begin, end);
-    case WeightType::kF16: return widen_typed<Vec, WeightType::kF16>(src, dst, begin, end);
+void widen(const WidenArgs& a, int64_t begin, int64_t end) {
+  switch (a.type) {
+    case WeightType::kF32: return widen_typed<Vec, WeightType::kF32>(a, begin, end);
+    case WeightType::kBF16: return widen_typed<Vec, WeightType::kBF16>(a, begin, end);
+    case WeightType::kF16: return widen_typed<Vec, WeightType::kF16>(a, begin, end);
+    case WeightType::kE4M3: return widen_typed<Vec, WeightType::kE4M3>(a, begin, end);
+    case WeightType::kE5M2: return widen_typed<Vec, WeightType::kE5M2>(a, begin, end);
   }
 }
 

@@ -9,7 +9,19 @@
 
 namespace vlmgen::kernels::raw {
 
-enum class WeightType { kF32, kBF16, kF16 };
+enum class WeightType { kF32, kBF16, kF16, kE4M3, kE5M2 };
+
+/// The scales of an FP8 weight [out, in]: weight(o, i) = raw(o, i) * grid[(o / block_out) *
+/// grid_cols + i / block_in] * factor, where raw is the byte read as a half (fp8_half_bits) and
+/// factor 256 for E4M3, 1 for E5M2. block_in is a multiple of 16 (the widest vector), or
+/// covers the whole row.
+struct Fp8Scales {
+  const float* grid = nullptr;
+  int64_t grid_cols = 1;
+  int64_t block_out = 1;
+  int64_t block_in = 1;
+  float factor = 1.0f;
+};
 
 /// y[r * ldy + o] = sum_i x[r * ldx + i] * W[o * in + i] (+ bias[o]) for r < rows and
 /// o in [o_begin, o_end).
@@ -24,6 +36,16 @@ struct RowsLinear {
   float* y;
   int64_t ldy;
   int64_t out_end;  // outputs past this one are not this call's (no prefetch beyond them)
+  Fp8Scales fp8;    // for kE4M3 / kE5M2 weights
+};
+
+/// Widening weights to float32: `src` [rows, cols] of `type` into `dst`.
+struct WidenArgs {
+  const void* src;
+  WeightType type;
+  float* dst;
+  int64_t cols;
+  Fp8Scales fp8;
 };
 
 /// Attention for the query heads of one (batch row, KV head): q rows of `groups` heads x S
@@ -45,13 +67,18 @@ struct HeadGroupAttention {
   float* scores;  // scratch of `keys` floats
 };
 
+/// Whether the instruction-set files were compiled with their instructions (else they forward to
+/// the portable code).
+bool avx2_compiled();
+bool avx512_compiled();
+
 void rows_linear_portable(const RowsLinear& a, int64_t o_begin, int64_t o_end);
 void rows_linear_avx2(const RowsLinear& a, int64_t o_begin, int64_t o_end);
 void rows_linear_avx512(const RowsLinear& a, int64_t o_begin, int64_t o_end);
 
-void widen_portable(const void* src, WeightType type, float* dst, int64_t begin, int64_t end);
-void widen_avx2(const void* src, WeightType type, float* dst, int64_t begin, int64_t end);
-void widen_avx512(const void* src, WeightType type, float* dst, int64_t begin, int64_t end);
+void widen_portable(const WidenArgs& a, int64_t begin, int64_t end);
+void widen_avx2(const WidenArgs& a, int64_t begin, int64_t end);
+void widen_avx512(const WidenArgs& a, int64_t begin, int64_t end);
 
 void attention_portable(const HeadGroupAttention& a);
 void attention_avx2(const HeadGroupAttention& a);

@@ -290,14 +290,13 @@ std::vector<int64_t> QuantizationScheme::scale_shape(const std::vector<int64_t>&
   return {};
 }
 
-at::Tensor QuantizationScheme::dequantize(const at::Tensor& bytes, const at::Tensor& scale,
-                                          const std::string& name) const {
+at::Tensor QuantizationScheme::checked_scale(const std::vector<int64_t>& shape, const at::Tensor& scale,
+                                             const std::string& name) const {
   VLMGEN_CHECK(scale.defined() && at::isFloatingType(scale.scalar_type()),
                "the scale of FP8 tensor {} must be a float tensor, got {}", name,
                scale.defined() ? c10::toString(scale.scalar_type()) : "none");
-  const std::vector<int64_t> shape = bytes.sizes().vec();
   VLMGEN_CHECK(granularity == ScaleGranularity::kPerTensor || shape.size() == 2,
-               "FP8 tensor {} is {}; {} scales ({}) need a 2-D weight", name, detail::shape_str(bytes),
+               "FP8 tensor {} is [{}]; {} scales ({}) need a 2-D weight", name, fmt::join(shape, ", "),
                granularity == ScaleGranularity::kPerBlock ? "per-block" : "per-channel", algorithm);
   const std::vector<int64_t> want = scale_shape(shape);
   at::Tensor s = scale.to(at::kCPU, at::kFloat);
@@ -305,17 +304,40 @@ at::Tensor QuantizationScheme::dequantize(const at::Tensor& bytes, const at::Ten
   bool ok = s.sizes().vec() == want;
   if (!ok && granularity == ScaleGranularity::kPerTensor) ok = s.numel() == 1;
   if (!ok && granularity == ScaleGranularity::kPerChannel) ok = s.dim() == 2 && s.size(0) == shape[0] && s.size(1) == 1;
-  VLMGEN_CHECK(ok, "the scale of FP8 tensor {} ({}) is {} but {} {} scales need [{}]{}", name, detail::shape_str(bytes),
+  VLMGEN_CHECK(ok, "the scale of FP8 tensor {} ([{}]) is {} but {} {} scales need [{}]{}", name, fmt::join(shape, ", "),
                detail::shape_str(scale), to_string(format), algorithm, fmt::join(want, ", "),
                granularity == ScaleGranularity::kPerBlock
                    ? fmt::format(" (blocks of {} x {}, rounded up)", block[0], block[1])
                    : std::string());
+  if (s.numel() > 0) {
+    const auto [lo, hi] = at::aminmax(s);
+    const double min = lo.item<double>(), max = hi.item<double>();
+    VLMGEN_CHECK(std::isfinite(min) && std::isfinite(max) && min >= 0.0,
+                 "the scale of FP8 tensor {} must be finite and >= 0, got values in [{}, {}]", name, min, max);
+  }
+  return s;
+}
+
+Fp8ScaleGrid QuantizationScheme::scale_grid(const std::vector<int64_t>& shape, const at::Tensor& scale,
+                                            const std::string& name) const {
+  VLMGEN_CHECK(shape.size() == 2, "FP8 tensor {} is [{}]; its bytes are kept only for a 2-D weight", name,
+               fmt::join(shape, ", "));
+  at::Tensor s = checked_scale(shape, scale, name);
+  if (scale_use == ScaleUse::kDivide) s = s.reciprocal();  // a zero scale gives inf, as dividing would
+  switch (granularity) {
+    case ScaleGranularity::kPerTensor: return {s.reshape({1, 1}).contiguous(), shape[0], shape[1]};
+    case ScaleGranularity::kPerChannel: return {s.reshape({shape[0], 1}).contiguous(), 1, shape[1]};
+    case ScaleGranularity::kPerBlock: return {s.contiguous(), block[0], block[1]};
+  }
+  VLMGEN_FAIL("unknown scale granularity of FP8 tensor {}", name);
+}
+
+at::Tensor QuantizationScheme::dequantize(const at::Tensor& bytes, const at::Tensor& scale,
+                                          const std::string& name) const {
+  const std::vector<int64_t> shape = bytes.sizes().vec();
+  at::Tensor s = checked_scale(shape, scale, name);
   at::Tensor w = fp8_decode(bytes, fp8);
   if (s.numel() == 0 || w.numel() == 0) return w;
-  const auto [lo, hi] = at::aminmax(s);
-  const double min = lo.item<double>(), max = hi.item<double>();
-  VLMGEN_CHECK(std::isfinite(min) && std::isfinite(max) && min >= 0.0,
-               "the scale of FP8 tensor {} must be finite and >= 0, got values in [{}, {}]", name, min, max);
   auto apply = [&](at::Tensor part, const at::Tensor& k) {
     if (scale_use == ScaleUse::kMultiply) {
       part.mul_(k);

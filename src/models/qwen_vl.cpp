@@ -264,24 +264,6 @@ qwen_vl::ShardLayout QwenVl::shard_layout(const std::string& name) const {
   VLMGEN_FAIL("{} has no weight named '{}'", detail::family_spec(config_.family).display_name, name);
 }
 
-bool QwenVl::is_lm_matrix(const std::string& name, const at::Tensor& tensor) {
-  return tensor.dim() == 2 && (name.rfind("model.", 0) == 0 || name == "lm_head.weight");
-}
-
-at::ScalarType QwenVl::weights_dtype() const { return lm_.embed_tokens.scalar_type(); }
-
-void QwenVl::convert_weights(at::ScalarType dtype) {
-  check_weights_dtype(dtype);
-  for (auto& [name, tensor] : named_weights())
-    if (is_lm_matrix(name, *tensor)) *tensor = tensor->to(dtype).contiguous();
-  if (config_.tie_word_embeddings) tie_lm_head();
-}
-
-void QwenVl::check_weights_dtype(at::ScalarType dtype) {
-  VLMGEN_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-               "weights_dtype must be float32, bfloat16 or float16, got {}", c10::toString(dtype));
-}
-
 void QwenVl::tie_lm_head() {
   config_.tie_word_embeddings = true;
   lm_.lm_head = lm_.embed_tokens;  // same TensorImpl: one copy of the matrix
@@ -375,6 +357,10 @@ std::vector<std::pair<std::string, const at::Tensor*>> QwenVl::named_weights() c
 }
 
 void QwenVl::to(at::Device device) {
+  VLMGEN_CHECK(device.is_cpu() || !keeps_fp8(),
+               "this model computes from FP8 bytes (LoadOptions::keep_fp8), which runs on the CPU only; cannot move it "
+               "to {} (load it without keep_fp8 to dequantize)",
+               device.str());
   for (auto& [name, tensor] : named_weights()) *tensor = tensor->to(device);
   if (config_.tie_word_embeddings) tie_lm_head();
 }

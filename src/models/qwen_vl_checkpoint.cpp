@@ -56,11 +56,13 @@ at::Tensor read_slice(const SafetensorsCheckpoint& checkpoint, const std::string
   VLMGEN_FAIL("unknown shard layout of tensor {}", name);
 }
 
-/// The float32 weight of FP8 tensor `name`: its bytes decoded and multiplied by its scale, as the
-/// checkpoint's scheme says. The whole tensor is dequantized, then sharded like any weight, so a
-/// per-block scale grid never has to split at a tensor-parallel boundary.
-at::Tensor read_fp8_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name, Fp8Format format,
-                           const std::optional<QuantizationScheme>& quantization, const std::string& dir) {
+/// The scheme (with the file's FP8 format) and scale tensor name of FP8 tensor `name`, checked:
+/// the checkpoint declares a scheme, the tensor is a weight of a module the scheme quantizes, and
+/// its scale is there.
+std::pair<QuantizationScheme, std::string> fp8_scheme_of(const SafetensorsCheckpoint& checkpoint,
+                                                         const std::string& name, Fp8Format format,
+                                                         const std::optional<QuantizationScheme>& quantization,
+                                                         const std::string& dir) {
   VLMGEN_CHECK(quantization.has_value(),
                "tensor {} in checkpoint {} is {} but the checkpoint declares no quantization (config.json "
                "quantization_config or hf_quant_config.json), so its scales cannot be read",
@@ -77,7 +79,47 @@ at::Tensor read_fp8_weight(const SafetensorsCheckpoint& checkpoint, const std::s
                scale_name, to_string(quantization->format));
   QuantizationScheme scheme = *quantization;
   scheme.fp8 = format;  // the file's dtype says which of the two formats the bytes are
+  return {scheme, scale_name};
+}
+
+/// The float32 weight of FP8 tensor `name`: its bytes decoded and multiplied by its scale, as the
+/// checkpoint's scheme says. The whole tensor is dequantized, then sharded like any weight, so a
+/// per-block scale grid never has to split at a tensor-parallel boundary.
+at::Tensor read_fp8_weight(const SafetensorsCheckpoint& checkpoint, const std::string& name, Fp8Format format,
+                           const std::optional<QuantizationScheme>& quantization, const std::string& dir) {
+  const auto [scheme, scale_name] = fp8_scheme_of(checkpoint, name, format, quantization, dir);
   return scheme.dequantize(checkpoint.tensor(name), checkpoint.tensor(scale_name), name);
+}
+
+/// This rank's slice of FP8 weight `name` as its bytes with their scales (LoadOptions::keep_fp8),
+/// or false when its scale blocks do not allow computing from the bytes: an input block that is
+/// not a multiple of 16 (the kernels' vector width) or a block that tensor parallelism would split.
+bool read_fp8_bytes(const SafetensorsCheckpoint& checkpoint, const std::string& name, Fp8Format format,
+                    const std::optional<QuantizationScheme>& quantization, const std::string& dir,
+                    qwen_vl::ShardLayout layout, int64_t rank, int64_t tp, qwen_vl::Linear& linear) {
+  const auto [scheme, scale_name] = fp8_scheme_of(checkpoint, name, format, quantization, dir);
+  at::Tensor bytes = checkpoint.tensor(name);
+  if (bytes.dim() != 2) return false;
+  const int64_t out = bytes.size(0), in = bytes.size(1);
+  Fp8ScaleGrid g = scheme.scale_grid({out, in}, checkpoint.tensor(scale_name), name);
+  if (g.block_in % 16 != 0 && g.block_in < in) return false;
+  if (layout == qwen_vl::ShardLayout::kRows && g.block_out < out) {
+    if ((out / tp) % g.block_out != 0) return false;
+    g.grid = shard_rows(g.grid, rank, tp);
+  } else if (layout == qwen_vl::ShardLayout::kColumns && g.block_in < in) {
+    if ((in / tp) % g.block_in != 0) return false;
+    g.grid = shard_cols(g.grid, rank, tp);
+  } else if (layout == qwen_vl::ShardLayout::kStackedRows && tp > 1) {
+    return false;
+  }
+  if (format == Fp8Format::kE4M3) {  // the kernels read bytes as halves, where E4M3's NaN would be a number
+    VLMGEN_CHECK(!bytes.bitwise_and(0x7f).eq(0x7f).any().item<bool>(),
+                 "FP8 tensor {} in checkpoint {} holds NaN bytes (0x7f or 0xff); E4M3 weights must be finite", name,
+                 dir);
+  }
+  linear.weight = detail::take_shard(bytes, layout, rank, tp).contiguous();
+  linear.fp8 = kernels::Fp8Scales{g.grid.contiguous(), g.block_out, g.block_in, format == Fp8Format::kE5M2};
+  return true;
 }
 
 }  // namespace
@@ -131,17 +173,27 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
     // The language model's matrices in weights_dtype, read straight into it (no float32 copy of a
     // 16-bit checkpoint); everything else in float32.
     const at::ScalarType dtype = is_lm_matrix(weights[i].name, *target) ? options.weights_dtype : at::kFloat;
+    if (entry.fp8 && options.keep_fp8) {
+      qwen_vl::Linear* linear = model->decoder_linear(weights[i].name);
+      if (linear != nullptr &&
+          read_fp8_bytes(checkpoint, sources[i], *entry.fp8, quantization, dir, weights[i].layout, rank, tp, *linear)) {
+        checkpoint.release(sources[i]);
+        continue;
+      }
+    }
     if (entry.fp8) {
       *target = detail::take_shard(read_fp8_weight(checkpoint, sources[i], *entry.fp8, quantization, dir),
                                    weights[i].layout, rank, tp)
                     .to(dtype)
                     .contiguous();
+      checkpoint.release(sources[i]);
       continue;
     }
     VLMGEN_CHECK(entry.dtype == at::kFloat || entry.dtype == at::kHalf || entry.dtype == at::kBFloat16,
                  "tensor {} in checkpoint {} is {}; weights must be F32, F16, BF16 or FP8", sources[i], dir,
                  c10::toString(entry.dtype));
     *target = read_slice(checkpoint, sources[i], full, weights[i].layout, rank, tp).to(dtype).contiguous();
+    checkpoint.release(sources[i]);  // copied out: the file's pages need not stay resident beside it
   }
   if (model->config_.tie_word_embeddings) model->tie_lm_head();
   return model;
@@ -151,7 +203,11 @@ void QwenVl::save_checkpoint(const std::string& dir) const {
   // Under TP every rank takes part in gathering each weight; rank 0 writes.
   std::map<std::string, at::Tensor> tensors;
   for (const WeightSlot& slot : const_cast<QwenVl*>(this)->weight_slots()) {
-    at::Tensor full = tp_comm_ == nullptr ? *slot.tensor : detail::gather_shard(*slot.tensor, slot.layout, *tp_comm_);
+    at::Tensor local = *slot.tensor;
+    const qwen_vl::Linear* linear = const_cast<QwenVl*>(this)->decoder_linear(slot.name);
+    if (linear != nullptr && linear->fp8.defined())  // written dequantized: the file gets no scales
+      local = kernels::widen_on(kernels::active_isa(), local, linear->fp8);
+    at::Tensor full = tp_comm_ == nullptr ? local : detail::gather_shard(local, slot.layout, *tp_comm_);
     tensors.emplace(slot.name, full.to(at::kCPU).contiguous());
   }
   std::string failure;

@@ -15,7 +15,7 @@
 namespace vlmgen::detail {
 
 inline at::Tensor apply_linear(const at::Tensor& x, const qwen_vl::Linear& linear) {
-  return kernels::linear(x, linear.weight, linear.bias);
+  return kernels::linear(x, linear.weight, linear.bias, linear.fp8);
 }
 
 /// A row-parallel linear: this rank's partial product, all-reduced (or reduce-scattered along
@@ -23,7 +23,7 @@ inline at::Tensor apply_linear(const at::Tensor& x, const qwen_vl::Linear& linea
 inline at::Tensor apply_row_parallel(const at::Tensor& x, const qwen_vl::Linear& linear, Communicator* comm,
                                      RowParallelReduce reduce = RowParallelReduce::kAllReduce) {
   if (comm == nullptr) return apply_linear(x, linear);
-  return row_parallel_reduce(kernels::linear(x, linear.weight), linear.bias, comm, reduce);
+  return row_parallel_reduce(kernels::linear(x, linear.weight, {}, linear.fp8), linear.bias, comm, reduce);
 }
 
 /// Rank `rank`'s slice of the full weight `full` under `layout`, contiguous.

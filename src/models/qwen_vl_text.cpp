@@ -1,5 +1,7 @@
 // The Qwen2 decoder of Qwen2-VL: RMSNorm, GQA with q/k/v bias and M-RoPE, SwiGLU MLP.
 
+#include <ATen/core/grad_mode.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -55,6 +57,48 @@ at::Tensor pad_sequence(const at::Tensor& x, int64_t length) {
   return at::cat({x, at::zeros(shape, x.options())}, 1);
 }
 
+/// Which keys the queries of a window see: query column window_start + c sees key column
+/// key_begin + j when key_begin + j <= window_start + c and key_real[b, j].
+struct AttentionWindow {
+  int64_t window_start;
+  int64_t key_begin;
+  at::Tensor key_real;  // [B, K], bool
+  double scale;
+};
+
+/// Attention of the window's queries q [B, heads, S, D] over k, v [B, kv, K, D]: [B, heads, S, D].
+/// A few query columns on the CPU (decode): one pass over K and V per KV head in the kernel.
+/// Otherwise GQA without copying K/V per query head: query head i uses KV head i / groups, so the
+/// group's queries stack into one [g * S, D] matrix per KV head and each product is a plain
+/// batched matmul over [B * kv] (K and V read in place from the cache), in chunks of query
+/// columns, each with its own slice of the mask, so no tensor grows with S x K.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionWindow& w) {
+  const int64_t b = q.size(0), heads = q.size(1), s = q.size(2), head_dim = q.size(3);
+  const int64_t kv_heads = k.size(1), keys = k.size(2), groups = heads / kv_heads;
+  const bool recorded = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  if (q.device().is_cpu() && q.scalar_type() == at::kFloat && s <= kKernelAttentionColumns && kernels::enabled() &&
+      !recorded) {
+    return kernels::decode_attention(q, k, v, w.key_real, w.window_start - w.key_begin, w.scale);
+  }
+  // A finite fill (not -inf): a padding query row with every key blocked softmaxes to a uniform
+  // row instead of NaN, and its logits are ignored anyway.
+  const double blocked_score = std::numeric_limits<float>::lowest();
+  const auto long_opts = at::TensorOptions().dtype(at::kLong).device(q.device());
+  const at::Tensor key_cols = at::arange(w.key_begin, w.key_begin + keys, long_opts).unsqueeze(0);  // [1, K]
+  const at::Tensor kt = k.transpose(-1, -2);
+  std::vector<at::Tensor> parts;
+  for (int64_t c0 = 0; c0 < s; c0 += kAttentionChunk) {
+    const int64_t n = std::min(kAttentionChunk, s - c0);
+    const at::Tensor query_cols = at::arange(w.window_start + c0, w.window_start + c0 + n, long_opts).unsqueeze(1);
+    const at::Tensor blocked = key_cols.le(query_cols).unsqueeze(0).logical_and(w.key_real.unsqueeze(1)).logical_not();
+    at::Tensor q4 = q.narrow(2, c0, n).reshape({b, kv_heads, groups * n, head_dim});
+    at::Tensor scores = at::matmul(q4, kt).mul_(w.scale);  // [B, kv, g * n, K]
+    scores.view({b, kv_heads, groups, n, keys}).masked_fill_(blocked.view({b, 1, 1, n, keys}), blocked_score);
+    parts.push_back(at::matmul(at::softmax(scores, -1), v).view({b, heads, n, head_dim}));  // [B, heads, n, D]
+  }
+  return parts.size() == 1 ? parts[0] : at::cat(parts, 2);
+}
+
 }  // namespace
 
 at::Tensor QwenVl::run_language_model(at::Tensor x, const at::Tensor& position_ids, const at::Tensor& attention_mask,
@@ -67,7 +111,6 @@ at::Tensor QwenVl::run_language_model(at::Tensor x, const at::Tensor& position_i
   const int64_t tp = parallel_.tp_size();
   const int64_t heads = c.num_attention_heads / tp;
   const int64_t kv_heads = c.num_key_value_heads / tp;
-  const int64_t groups = heads / kv_heads;
   const int64_t head_dim = c.head_dim;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
 
@@ -77,16 +120,9 @@ at::Tensor QwenVl::run_language_model(at::Tensor x, const at::Tensor& position_i
   // window. Query column q sees key column k when k <= q and the key is not padding.
   const int64_t key_begin = context != nullptr ? 0 : window_start;
   const int64_t key_end = window_start + s;
-  const auto long_opts = at::TensorOptions().dtype(at::kLong).device(x.device());
-  at::Tensor query_cols = at::arange(window_start, key_end, long_opts).unsqueeze(1);          // [S, 1]
-  at::Tensor key_cols = at::arange(key_begin, key_end, long_opts).unsqueeze(0);               // [1, K]
-  at::Tensor causal = key_cols.le(query_cols);                                                // [S, K]
-  at::Tensor key_real = attention_mask.narrow(1, key_begin, key_end - key_begin).eq(1);       // [B, K]
-  at::Tensor blocked = causal.unsqueeze(0).logical_and(key_real.unsqueeze(1)).logical_not();  // [B, S, K]
-  blocked = blocked.view({b, 1, 1, s, key_end - key_begin});  // broadcast over [B, kv, group, S, K]
-  // A finite fill (not -inf): a padding query row with every key blocked softmaxes to a uniform
-  // row instead of NaN, and its logits are ignored anyway.
-  const double blocked_score = std::numeric_limits<float>::lowest();
+  const AttentionWindow window{window_start, key_begin,
+                               attention_mask.narrow(1, key_begin, key_end - key_begin).eq(1),  // [B, K]
+                               scale};
 
   // Sequence parallelism for windows of more than one token: between blocks each rank keeps
   // [B, padded / tp, hidden] of the residual stream; a one-token decode step is not split.
@@ -121,30 +157,6 @@ at::Tensor QwenVl::run_language_model(at::Tensor x, const at::Tensor& position_i
     }
   }
 
-  // Attention of the window's queries q [B, heads, S, D] over k, v [B, kv, K, D]: [B, heads, S, D].
-  // A few query columns on the CPU (decode): one pass over K and V per KV head in the kernel.
-  // Otherwise GQA without copying K/V per query head: query head i uses KV head i / groups, so
-  // the group's queries stack into one [g * S, D] matrix per KV head and each product is a plain
-  // batched matmul over [B * kv] (K and V read in place from the cache), in chunks of query
-  // columns so the score tensor stays small whatever the window.
-  const bool kernel_attention =
-      x.device().is_cpu() && x.scalar_type() == at::kFloat && s <= kKernelAttentionColumns && kernels::enabled();
-  auto attend = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    if (kernel_attention) return kernels::decode_attention(q, k, v, key_real, window_start - key_begin, scale);
-    const int64_t keys = k.size(2);
-    at::Tensor kt = k.transpose(-1, -2);
-    std::vector<at::Tensor> parts;
-    for (int64_t c0 = 0; c0 < s; c0 += kAttentionChunk) {
-      const int64_t n = std::min(kAttentionChunk, s - c0);
-      at::Tensor q4 = q.narrow(2, c0, n).reshape({b, kv_heads, groups * n, head_dim});
-      at::Tensor scores = at::matmul(q4, kt).mul_(scale);  // [B, kv, g * n, K]
-      scores.view({b, kv_heads, groups, n, keys}).masked_fill_(blocked.narrow(3, c0, n), blocked_score);
-      at::Tensor probs = at::softmax(scores, -1);
-      parts.push_back(at::matmul(probs, v).view({b, heads, n, head_dim}));  // [B, heads, n, D]
-    }
-    return parts.size() == 1 ? parts[0] : at::cat(parts, 2);
-  };
-
   for (size_t layer = 0; layer < lm_.layers.size(); ++layer) {
     const qwen_vl::DecoderLayer& w = lm_.layers[layer];
     at::Tensor h = whole(detail::apply_rms_norm(x, w.input_layernorm, c.rms_norm_eps));
@@ -161,7 +173,7 @@ at::Tensor QwenVl::run_language_model(at::Tensor x, const at::Tensor& position_i
     k = detail::apply_rotary(k, cos, sin);
     if (context != nullptr) std::tie(k, v) = context->append_kv(static_cast<int64_t>(layer), k, v);
 
-    at::Tensor attn = attend(q, k, v).transpose(1, 2).reshape({b, s, heads * head_dim});
+    at::Tensor attn = attend(q, k, v, window).transpose(1, 2).reshape({b, s, heads * head_dim});
     x = x + reduce(attn, w.o_proj);
 
     h = whole(detail::apply_rms_norm(x, w.post_attention_layernorm, c.rms_norm_eps));

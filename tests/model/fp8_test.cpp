@@ -482,12 +482,25 @@ TEST_P(Fp8CheckpointTest, EachFormatLoadsAsTheF32ModelOfItsDequantizedWeights) {
     std::unique_ptr<CausalVlm> fp8 = load_model(fp8_dir);
     write_reference(fp8_dir, v, fp8_dir + "-reference");
     std::unique_ptr<CausalVlm> reference = load_model(fp8_dir + "-reference");
+    // The same checkpoint computed from its bytes (keep_fp8) wherever the scale blocks allow it.
+    LoadOptions keep;
+    keep.keep_fp8 = true;
+    std::unique_ptr<QwenVl> bytes = QwenVl::from_checkpoint(fp8_dir, ParallelContext::single(), keep);
+    int64_t kept = 0;
+    for (const auto& [name, t] : bytes->named_weights()) kept += t->scalar_type() == at::kByte ? 1 : 0;
+    const bool aligned = v.granularity != ScaleGranularity::kPerBlock || v.block[1] % 16 == 0;
+    if (aligned) {
+      EXPECT_EQ(kept, 7 * config_.num_hidden_layers);  // every decoder linear: 1 byte a weight
+    }
+    EXPECT_EQ(bytes->keeps_fp8(), kept > 0);
     for (const auto& [what, batch, vis] : {std::tuple<const char*, Batch, VisionInputs>{"text", text, VisionInputs()},
                                            std::tuple<const char*, Batch, VisionInputs>{"images", images, vision}}) {
       const at::Tensor got = full_forward(*fp8, batch, vis);
       const at::Tensor want = full_forward(*reference, batch, vis);
       const double rel = (got - want).abs().max().item<double>() / want.abs().max().item<double>();
       EXPECT_LE(rel, 1e-5) << what;
+      const at::Tensor from_bytes = full_forward(*bytes, batch, vis);
+      EXPECT_LE((from_bytes - got).abs().max().item<double>() / got.abs().max().item<double>(), 1e-5) << what;
       // And the FP8 weights are not the F32 ones (the check above would pass on an F32 load).
       const double moved = (got - full_forward(model_, batch, vis)).abs().max().item<double>();
       EXPECT_GT(moved, 1e-4) << what << ": FP8 rounding must show against the F32 model";
@@ -499,6 +512,8 @@ TEST_P(Fp8CheckpointTest, EachFormatLoadsAsTheF32ModelOfItsDequantizedWeights) {
     const auto ref_tokens = Generator(*reference).generate(request, GenerationConfig().max_new_tokens(6));
     EXPECT_EQ(with_kv.sequences[0].tokens, without.sequences[0].tokens);
     EXPECT_EQ(with_kv.sequences[0].tokens, ref_tokens.sequences[0].tokens);
+    EXPECT_EQ(Generator(*bytes).generate(request, GenerationConfig().max_new_tokens(6)).sequences[0].tokens,
+              ref_tokens.sequences[0].tokens);
   }
 }
 
@@ -628,6 +643,27 @@ TEST_P(Fp8CheckpointTest, BadFp8CheckpointsAreErrorsNamingTheTensor) {
   std::string algo = config_text;
   algo.replace(algo.find("\"fp8\""), 5, "\"mxfp8\"");
   EXPECT_THAT(refused("algo", good, algo, fp8), HasSubstr("quant_method 'mxfp8' is not supported"));
+
+  // Computing from the bytes (keep_fp8) reads them as halves, where E4M3's NaN byte would be a
+  // number: such a weight is refused, naming it.
+  const std::string nan_dir = dir("nan-byte");
+  make(variants()[1], nan_dir);  // per tensor: every decoder linear kept as bytes
+  std::map<std::string, at::Tensor> with_nan = read_all_tensors(nan_dir);
+  std::map<std::string, Fp8Format> nan_fp8;
+  for (const auto& [name, t] : with_nan)
+    if (t.scalar_type() == at::kByte) nan_fp8[name] = Fp8Format::kE4M3;
+  with_nan[up + ".weight"] = with_nan.at(up + ".weight").clone();
+  with_nan[up + ".weight"].view(-1)[5] = 0xff;
+  save_safetensors(nan_dir + "/model.safetensors", with_nan, {}, nan_fp8);
+  LoadOptions keep;
+  keep.keep_fp8 = true;
+  try {
+    QwenVl::from_checkpoint(nan_dir, ParallelContext::single(), keep);
+    ADD_FAILURE() << "an E4M3 NaN byte loaded with keep_fp8";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("FP8 tensor " + up + ".weight in checkpoint"));
+    EXPECT_THAT(e.what(), HasSubstr("holds NaN bytes"));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, Fp8CheckpointTest,

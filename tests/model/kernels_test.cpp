@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "vlmgen/error.h"
+#include "vlmgen/io/fp8.h"
 #include "vlmgen/kernels/cpu.h"
 
 namespace vlmgen {
@@ -75,6 +76,81 @@ TEST(CpuKernels, WidenIsExactForEvery16BitPattern) {
       EXPECT_TRUE(at::equal(got.nan_to_num(0), want.nan_to_num(0))) << kernels::isa_name(isa) << " " << at::toString(t);
     }
   }
+}
+
+/// FP8 bytes [out, in] with no E4M3 NaN byte, and a scale grid of the given blocks.
+std::pair<at::Tensor, kernels::Fp8Scales> random_fp8(int64_t out, int64_t in, int64_t block_out, int64_t block_in,
+                                                     bool e5m2) {
+  at::Tensor bytes = at::randint(0, 256, {out, in}, at::kLong).to(at::kByte);
+  if (!e5m2)
+    bytes.masked_fill_(bytes.bitwise_and(0x7f).eq(0x7f), 0x3c);
+  else
+    bytes.masked_fill_(bytes.bitwise_and(0x7c).eq(0x7c), 0x3c);  // no infinities or NaN either
+  const int64_t rows = (out + block_out - 1) / block_out, cols = (in + block_in - 1) / block_in;
+  return {bytes, kernels::Fp8Scales{at::rand({rows, cols}) * 0.01 + 0.001, block_out, block_in, e5m2}};
+}
+
+/// The weights by the format definition (vlmgen/io/fp8.h) times the scale of each element's block.
+at::Tensor fp8_reference(const at::Tensor& bytes, const kernels::Fp8Scales& q) {
+  at::Tensor values = fp8_decode(bytes, q.e5m2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3).to(at::kDouble);
+  at::Tensor grid = q.grid.to(at::kDouble).repeat_interleave(q.block_out, 0).repeat_interleave(q.block_in, 1);
+  return values * grid.narrow(0, 0, bytes.size(0)).narrow(1, 0, bytes.size(1));
+}
+
+TEST(CpuKernels, Fp8LinearAndWideningMatchTheFormatDefinitionOnEveryPathAndScaleLayout) {
+  at::manual_seed(8);
+  struct Case {
+    int64_t out, in, block_out, block_in;
+  };
+  // Blocks of 32 x 32 and 128 x 128 (partial edges), per output channel, per tensor.
+  for (Case c : {Case{70, 96, 32, 32}, Case{130, 200, 128, 128}, Case{13, 37, 1, 37}, Case{64, 768, 64, 768}}) {
+    for (bool e5m2 : {false, true}) {
+      auto [bytes, q] = random_fp8(c.out, c.in, c.block_out, c.block_in, e5m2);
+      at::Tensor w = fp8_reference(bytes, q);
+      for (Isa isa : kernels::supported_isas()) {
+        SCOPED_TRACE(testing::Message() << kernels::isa_name(isa) << (e5m2 ? " e5m2 " : " e4m3 ") << "[" << c.out
+                                        << ", " << c.in << "] blocks " << c.block_out << " x " << c.block_in);
+        // Widening is exact: the byte's value times its scale, one rounding.
+        EXPECT_TRUE(at::equal(kernels::widen_on(isa, bytes, q), w.to(at::kFloat)));
+        for (int64_t rows : {1, 3, 16}) {
+          at::Tensor x = at::randn({rows, c.in});
+          at::Tensor want = at::matmul(x.to(at::kDouble), w.t());
+          at::Tensor term_scale = at::matmul(x.abs().to(at::kDouble), w.abs().t());
+          EXPECT_LT(relative_error(kernels::linear_on(isa, x, bytes, {}, q), want, term_scale),
+                    4e-6 * std::sqrt(static_cast<double>(c.in)));
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuKernels, Fp8ScalesThatDoNotFitTheWeightAreRefused) {
+  auto [bytes, q] = random_fp8(40, 64, 16, 32, false);
+  at::Tensor x = at::randn({1, 64});
+  kernels::Fp8Scales wrong_grid = q;
+  wrong_grid.grid = at::ones({2, 2});  // 40 rows in blocks of 16 need 3 grid rows
+  EXPECT_THROW(kernels::linear(x, bytes, {}, wrong_grid), Error);
+  kernels::Fp8Scales odd_block = q;
+  odd_block.block_in = 24;  // neither a multiple of 16 nor the whole row
+  odd_block.grid = at::ones({3, 3});
+  EXPECT_THROW(kernels::linear(x, bytes, {}, odd_block), Error);
+  EXPECT_THROW(kernels::linear(x, bytes.to(at::kFloat), {}, q), Error);   // scales need uint8 bytes
+  EXPECT_THROW(kernels::linear(x.to(at::kDouble), bytes, {}, q), Error);  // and float32 input
+}
+
+TEST(CpuKernels, CallsThatAutogradRecordsGoThroughAtenAndKeepTheirGradients) {
+  at::Tensor weight = at::randn({8, 16}).requires_grad_();
+  at::Tensor x = at::randn({1, 16});
+  at::Tensor y = kernels::linear(x, weight);  // one row: the kernel's case, were no gradient needed
+  ASSERT_TRUE(y.requires_grad());
+  y.sum().backward();
+  EXPECT_TRUE(at::allclose(weight.grad(), x.expand({8, 16})));  // d sum(x W^T) / dW: x in every row
+  at::Tensor q = at::randn({1, 2, 1, 16}).requires_grad_(), k = at::randn({1, 1, 5, 16});
+  // The explicit kernel calls keep no graph, and say so rather than return a result without one.
+  EXPECT_THROW(kernels::decode_attention(q, k, k, at::ones({1, 5}), 4, 1.0), Error);
+  EXPECT_THROW(kernels::linear_on(Isa::kPortable, x, weight), Error);
+  at::NoGradGuard no_grad;
+  EXPECT_EQ(kernels::decode_attention(q, k, k, at::ones({1, 5}), 4, 1.0).sizes(), q.sizes());
 }
 
 TEST(CpuKernels, LinearRefusesWhatItCannotRun) {

@@ -708,8 +708,12 @@ TEST(DISABLED_TpModelWorker, Fp8CheckpointEqualsTp1) {
   const ParallelContext& par = worker_context();
   const std::string dir = getenv_or("VLMGEN_TEST_CHECKPOINT", "");
   ASSERT_FALSE(dir.empty()) << "the launching test passes VLMGEN_TEST_CHECKPOINT";
-  auto reference = QwenVl::from_checkpoint(dir);
-  auto model = QwenVl::from_checkpoint(dir, par);
+  LoadOptions options;
+  options.keep_fp8 = getenv_or("VLMGEN_TEST_KEEP_FP8", "0") == "1";  // compute from the bytes, sharded
+  auto reference = QwenVl::from_checkpoint(dir, ParallelContext::single(), options);
+  auto model = QwenVl::from_checkpoint(dir, par, options);
+  EXPECT_EQ(model->keeps_fp8(), options.keep_fp8);
+  EXPECT_EQ(reference->keeps_fp8(), options.keep_fp8);
   const GenerateRequest request = image_request(reference->config());
   double worst = 0.0;
   for (const bool kv : {true, false}) {
@@ -733,6 +737,14 @@ TEST(TensorParallelModel, Fp8CheckpointTp2EqualsTp1) {
   EXPECT_EQ(run_workers(2, "DISABLED_TpModelWorker.Fp8CheckpointEqualsTp1",
                         two_rank_env({{"VLMGEN_TEST_CHECKPOINT", (dir / "fp8").string()}})),
             0);
+  // Blocks of 16 x 16 split evenly at every shard edge: each rank keeps its slice of the bytes and
+  // of the scale grid (LoadOptions::keep_fp8) and computes from them.
+  options.block = {16, 16};
+  quantize_checkpoint((dir / "f32").string(), (dir / "fp8-16").string(), options);
+  EXPECT_EQ(
+      run_workers(2, "DISABLED_TpModelWorker.Fp8CheckpointEqualsTp1",
+                  two_rank_env({{"VLMGEN_TEST_CHECKPOINT", (dir / "fp8-16").string()}, {"VLMGEN_TEST_KEEP_FP8", "1"}})),
+      0);
   std::filesystem::remove_all(dir);
 }
 

@@ -61,3 +61,21 @@ def test_a_python_model_may_delegate_to_a_cpp_model_kv_cache_included(checkpoint
     assert wrapped.tokens == direct.tokens
     assert wrapped.sequences[0].logprobs == pytest.approx(direct.sequences[0].logprobs, abs=1e-6)
     assert [c.window_size for c in spy.calls] == [len(prompt)] + [1] * (NEW_TOKENS - 1)
+
+
+def test_load_model_keeps_16_bit_weights_when_asked_and_refuses_unknown_dtypes(checkpoint):
+    # The same values in bfloat16 and float32 give the same greedy tokens (float32 compute both).
+    wide = vlmgen.load_model(checkpoint)
+    vision = vlmgen.preprocess_images([IMAGE_FILE], checkpoint=checkpoint, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    (count,) = wide.placeholder_counts(vision)
+    prompt = [1, 2, VISION_START] + [IMAGE] * count + [VISION_END, 3]
+    config = vlmgen.GenerationConfig(max_new_tokens=NEW_TOKENS, return_logprobs=True)
+    f32 = vlmgen.Generator(wide).generate([prompt], config, vision=vision)
+    bf16 = vlmgen.Generator(vlmgen.load_model(checkpoint, dtype="bf16")).generate([prompt], config, vision=vision)
+    # The tiny checkpoint's weights are float32: bfloat16 rounds them, so the first step's
+    # log-prob moves a little (later steps may follow another token).
+    assert bf16.tokens[0][0] == f32.tokens[0][0]
+    assert bf16.sequences[0].logprobs[0] == pytest.approx(f32.sequences[0].logprobs[0], abs=0.05)
+    assert bf16.sequences[0].logprobs[0] != f32.sequences[0].logprobs[0]  # the weights did change
+    with pytest.raises(vlmgen.Error, match="f32, bf16 or f16, got 'int4'"):
+        vlmgen.load_model(checkpoint, dtype="int4")

@@ -183,8 +183,7 @@ std::string sse(const Json& j) { return "data: " + j.dump() + "\n\n"; }
 class Server {
  public:
   explicit Server(const Options& options) : options_(options) {
-    model_ = QwenVl::from_checkpoint(options.model, ParallelContext::single(),
-                                     LoadOptions{parse_weights_dtype(options.dtype)});
+    model_ = QwenVl::from_checkpoint(options.model, ParallelContext::single(), load_options_for_dtype(options.dtype));
     tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_pretrained(options.model));
     std::string source;
     auto image_options = checkpoint_image_processor(options.model, model_->config(), &source);
@@ -578,8 +577,9 @@ int main(int argc, char** argv) {
   app.add_option("--served-model-name", o.model_name, "the model id clients see (default: the folder's name)");
   app.add_option("--host", o.host, "address to listen on")->capture_default_str();
   app.add_option("--dtype", o.dtype,
-                 "weights of the language model: f32, bf16 (half the bytes a decode step reads) or f16")
-      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
+                 "weights of the language model: f32, bf16 (half the bytes a decode step reads), f16, or fp8 (an FP8 "
+                 "checkpoint's linears kept as bytes, the rest bf16; CPU)")
+      ->check(CLI::IsMember({"f32", "bf16", "f16", "fp8"}))
       ->capture_default_str();
   app.add_option("--port", o.port, "port to listen on (0: any free port; the chosen one is printed)")
       ->capture_default_str()

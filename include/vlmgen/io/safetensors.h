@@ -50,6 +50,10 @@ class SafetensorsFile {
   at::Tensor tensor(const std::string& name) const;
   /// Rows [start, start + length) of dimension `dim` only.
   at::Tensor narrow(const std::string& name, int64_t dim, int64_t start, int64_t length) const;
+  /// Drops the mapping's resident pages that lie wholly inside tensor `name` (they are read back
+  /// from the file if the tensor is read again): a loader that copied a tensor out calls it so the
+  /// file's pages and the copies are never resident together.
+  void release(const std::string& name) const;
 
  private:
   void read_header(std::string_view text);
@@ -77,6 +81,7 @@ class SafetensorsCheckpoint {
   const SafetensorsEntry& entry(const std::string& name) const;
   at::Tensor tensor(const std::string& name) const;
   at::Tensor narrow(const std::string& name, int64_t dim, int64_t start, int64_t length) const;
+  void release(const std::string& name) const;  // SafetensorsFile::release in the file holding it
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;

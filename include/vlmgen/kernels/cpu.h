@@ -33,18 +33,36 @@ Isa active_isa();
 /// False when VLMGEN_CPU_ISA=aten: linear() and the models' decode attention use ATen only.
 bool enabled();
 
-/// Products with at most this many rows run on the kernels; more go to ATen's GEMM.
+/// The scales of FP8 weights kept as their bytes (uint8 [out, in], E4M3 or E5M2): weight(o, i) =
+/// value(byte) * grid[o / block_out][i / block_in]. Per tensor: one block of the whole weight;
+/// per output channel: blocks of one row. block_in must be a multiple of 16 or cover the row.
+struct Fp8Scales {
+  at::Tensor grid;  ///< [ceil(out / block_out), ceil(in / block_in)], float32, on the CPU
+  int64_t block_out = 1;
+  int64_t block_in = 1;
+  bool e5m2 = false;  ///< false: E4M3
+  bool defined() const { return grid.defined(); }
+};
+
+/// Products with at most this many rows run on the kernels (float32 weights; 16-bit and FP8
+/// weights up to kMaxFastRowsNarrow); more go to ATen's GEMM. Calls that autograd would record
+/// (GradMode on and an input requiring grad) always go to ATen.
 constexpr int64_t kMaxFastRows = 16;
+constexpr int64_t kMaxFastRowsNarrow = 64;
 
-/// x [..., in] (float32) times weight [out, in] (float32, bfloat16 or float16, contiguous)
-/// transposed, plus bias [out] (float32) when defined: [..., out], float32. The CPU kernels for
-/// up to kMaxFastRows rows when enabled(), ATen otherwise.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
+/// x [..., in] (float32) times weight [out, in] (float32, bfloat16 or float16, contiguous; or FP8
+/// bytes with `fp8` scales) transposed, plus bias [out] (float32) when defined: [..., out],
+/// float32. The CPU kernels for up to kMaxFastRows rows when enabled(), ATen's GEMM on the
+/// weights widened to float32 otherwise. On other devices a 16-bit weight computes in its dtype.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {},
+                  const Fp8Scales& fp8 = {});
 /// The same on a given path (tests compare the paths); every row count runs on the kernel.
-at::Tensor linear_on(Isa isa, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
+at::Tensor linear_on(Isa isa, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {},
+                     const Fp8Scales& fp8 = {});
 
-/// `weight` (contiguous float32, bfloat16 or float16 on the CPU) as a new float32 tensor.
-at::Tensor widen_on(Isa isa, const at::Tensor& weight);
+/// `weight` (contiguous float32, bfloat16 or float16 on the CPU, or FP8 bytes with `fp8` scales)
+/// as a new float32 tensor.
+at::Tensor widen_on(Isa isa, const at::Tensor& weight, const Fp8Scales& fp8 = {});
 
 /// Attention of the window's query columns over keys, for a few query columns (decode):
 ///   q [B, heads, S, D], k and v [B, kv_heads, K, D] (float32, last dim contiguous; a narrowed

@@ -15,7 +15,16 @@ struct LoadOptions {
   /// attention and MLP weights and lm_head are stored in this dtype (read without a float32
   /// copy), norms, biases and the vision tower stay float32, and compute is float32.
   at::ScalarType weights_dtype = at::kFloat;
+  /// For an FP8 checkpoint: keep the decoder's quantized linears as their bytes and scales (one
+  /// byte a weight; the CPU kernels decode them as they read them, float32 compute) instead of
+  /// dequantizing them to weights_dtype. A weight whose scale blocks do not fit that (an input
+  /// block not a multiple of 16, or blocks split by tensor parallelism) is dequantized. CPU only.
+  bool keep_fp8 = false;
 };
+
+/// The options a command line's `--dtype` names: f32, bf16, f16, or fp8 (an FP8 checkpoint's
+/// linears kept as bytes, its other matrices in bfloat16).
+inline LoadOptions load_options_for_dtype(const std::string& name);
 
 /// "f32"/"float32", "bf16"/"bfloat16" or "f16"/"fp16"/"float16"; anything else is a vlmgen::Error
 /// listing those.
@@ -24,6 +33,17 @@ inline at::ScalarType parse_weights_dtype(const std::string& name) {
   if (name == "bf16" || name == "bfloat16") return at::kBFloat16;
   if (name == "f16" || name == "fp16" || name == "float16") return at::kHalf;
   VLMGEN_FAIL("weights dtype must be f32, bf16 or f16, got '{}'", name);
+}
+
+inline LoadOptions load_options_for_dtype(const std::string& name) {
+  LoadOptions options;
+  if (name == "fp8") {
+    options.weights_dtype = at::kBFloat16;
+    options.keep_fp8 = true;
+  } else {
+    options.weights_dtype = parse_weights_dtype(name);
+  }
+  return options;
 }
 
 }  // namespace vlmgen

@@ -39,6 +39,15 @@ enum class ScaleUse { kMultiply, kDivide };
 
 const char* to_string(QuantFormat format);
 
+/// An FP8 weight's scales as multipliers on a grid of blocks: weight(o, i) = fp8(byte) *
+/// grid[o / block_out][i / block_in] (per tensor: one block of the whole weight; per output
+/// channel: blocks of one row).
+struct Fp8ScaleGrid {
+  at::Tensor grid;  ///< [ceil(out / block_out), ceil(in / block_in)], float32, CPU
+  int64_t block_out = 1;
+  int64_t block_in = 1;
+};
+
 /// One checkpoint's FP8 scheme.
 struct QuantizationScheme {
   QuantFormat format = QuantFormat::kHfFineGrained;
@@ -69,6 +78,13 @@ struct QuantizationScheme {
   /// Float32 weights from FP8 bytes ([rows, cols], or any shape per tensor) and their scale.
   /// Checks the scale's shape and values (finite, >= 0), naming `name`.
   at::Tensor dequantize(const at::Tensor& bytes, const at::Tensor& scale, const std::string& name) const;
+
+  /// The scale of a 2-D FP8 weight of `shape` as a multiplier grid (a dividing scale inverted),
+  /// checked like dequantize does, for computing from the bytes as they are.
+  Fp8ScaleGrid scale_grid(const std::vector<int64_t>& shape, const at::Tensor& scale, const std::string& name) const;
+
+  /// `scale` as float32 on the CPU, its shape and values checked for a weight of `shape`.
+  at::Tensor checked_scale(const std::vector<int64_t>& shape, const at::Tensor& scale, const std::string& name) const;
 };
 
 /// Options of quantize_checkpoint.

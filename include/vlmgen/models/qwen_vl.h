@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "vlmgen/kernels/cpu.h"
 #include "vlmgen/model.h"
 #include "vlmgen/models/load_options.h"
 #include "vlmgen/models/qwen_vl_config.h"
@@ -29,13 +30,14 @@ enum class ShardLayout {
 };
 
 struct Linear {
-  at::Tensor weight;  // [out, in], float32
-  at::Tensor bias;    // [out], float32; undefined for a linear without bias
+  at::Tensor weight;       // [out, in]: float32 (LM matrices: weights_dtype), or uint8 FP8 bytes with fp8
+  at::Tensor bias;         // [out], float32; undefined for a linear without bias
+  kernels::Fp8Scales fp8;  // defined when weight holds FP8 bytes (LoadOptions::keep_fp8)
 };
 
 /// A LayerNorm (weight and bias), or an RMSNorm (bias undefined).
 struct LayerNorm {
-  at::Tensor weight;  // [dim], float32
+  at::Tensor weight;  // [dim], float32 (every norm stays float32 whatever the weights dtype)
   at::Tensor bias;    // [dim], float32; undefined for an RMSNorm
 };
 
@@ -82,10 +84,10 @@ struct DecoderLayer {
 };
 
 struct LanguageModel {
-  at::Tensor embed_tokens;           // [vocab, hidden], float32
+  at::Tensor embed_tokens;           // [vocab, hidden], float32 or the weights dtype (LoadOptions)
   std::vector<DecoderLayer> layers;  // num_hidden_layers
   at::Tensor norm;                   // [hidden], float32 (final RMSNorm)
-  at::Tensor lm_head;                // [vocab, hidden], float32; the same tensor as embed_tokens when tied
+  at::Tensor lm_head;                // [vocab, hidden], like embed_tokens; the same tensor as embed_tokens when tied
 };
 
 }  // namespace qwen_vl
@@ -135,12 +137,11 @@ class QwenVl : public CausalVlm {
                   ParallelContext parallel = ParallelContext::single());
 
   /// Reads `dir`/config.json and the safetensors weights in `dir`. Accepts both HF spellings
-  /// (`visual.*` + `model.*` and the newer `model.visual.*` + `model.language_model.*`), converts
-  /// F16/BF16 to fp32, and ties lm_head to the embedding when the config says so or the
-  /// checkpoint has no `lm_head.weight`. Missing tensors are listed by name in a vlmgen::Error.
-  /// Under tensor parallelism each rank reads only its own slices from the memory-mapped files;
-  /// the divisibility of heads and vocabulary by tp_size is checked right after config.json,
-  /// before any weight is read.
+  /// (`visual.*` + `model.*` and the newer `model.visual.*` + `model.language_model.*`), stores
+  /// F16/BF16/FP8 weights as `options` says (float32 by default; LoadOptions), and ties lm_head to the embedding when
+  /// the config says so or the checkpoint has no `lm_head.weight`. Missing tensors are listed by name in a
+  /// vlmgen::Error. Under tensor parallelism each rank reads only its own slices from the memory-mapped files; the
+  /// divisibility of heads and vocabulary by tp_size is checked right after config.json, before any weight is read.
   static std::unique_ptr<QwenVl> from_checkpoint(const std::string& dir,
                                                  const ParallelContext& parallel = ParallelContext::single(),
                                                  const LoadOptions& options = {});
@@ -152,6 +153,9 @@ class QwenVl : public CausalVlm {
   /// biases and the vision tower stay float32. Compute stays float32: the CPU kernels widen
   /// 16-bit weights as they read them, so a decode step reads half the bytes.
   void convert_weights(at::ScalarType dtype);
+  /// True when some linears compute from FP8 bytes (loaded with LoadOptions::keep_fp8): such a
+  /// model runs on the CPU only, and save_checkpoint writes those weights dequantized.
+  bool keeps_fp8() const;
 
   /// Writes `dir`/config.json and `dir`/model.safetensors (HF `visual.*`/`model.*` names; no
   /// `lm_head.weight` when tied). Creates `dir` when needed. Under tensor parallelism every rank
@@ -240,6 +244,9 @@ class QwenVl : public CausalVlm {
   void allocate_weights();
   /// Weights that weights_dtype applies to: 2-D tensors of the language model (named_weights names).
   static bool is_lm_matrix(const std::string& name, const at::Tensor& tensor);
+  /// The decoder linear whose weight is named `name` (`model.layers.N.self_attn.q_proj.weight`,
+  /// ...), or nullptr.
+  qwen_vl::Linear* decoder_linear(const std::string& name);
   static void check_weights_dtype(at::ScalarType dtype);
   void init_random(uint64_t seed, double init_std);
   void tie_lm_head();
