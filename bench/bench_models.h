@@ -2,6 +2,9 @@
 
 // The bench's models and prompts, shared by its reports.
 
+#include <ATen/Parallel.h>
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -99,6 +102,17 @@ inline int64_t model_bytes(QwenVl& m) {
 inline double decode_bytes(QwenVl& m) { return static_cast<double>(decode_weight_bytes(m)); }
 
 inline bool kernels_enabled() { return kernels::enabled(); }
+
+/// Sets both thread pools a run uses: ATen's (OpenMP) and OpenBLAS's own pthreads, which LibTorch
+/// 1.13 leaves at one per core whatever at::set_num_threads says (found at run time, so a build
+/// on another BLAS is unaffected). Returns whether OpenBLAS was found.
+inline bool set_all_threads(int threads) {
+  at::set_num_threads(threads);
+  using SetThreads = void (*)(int);
+  auto openblas = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  if (openblas != nullptr) openblas(threads);
+  return openblas != nullptr;
+}
 
 inline std::vector<std::string> supported_isa_names() {
   std::vector<std::string> out;

@@ -46,6 +46,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 import llama_cpp_check  # noqa: E402 (the bench's prompt generator and id limit)
 
 CONTEXTS = (128, 512, 2048)

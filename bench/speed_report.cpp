@@ -7,7 +7,7 @@
 //   same weights rounded) and fp8 (the same weights through vlmgen's quantizer, 128 x 128 blocks,
 //   decoder linears kept as bytes; embedding and lm_head bf16).
 // vlmgen-bench --memory DTYPE --checkpoint DIR: peak resident memory of one model loaded from DIR
-//   (f32, bf16 or fp8) after a 512-token prompt and 10 decode steps, against its weights + KV.
+//   (f32, bf16 or fp8) after a 512-token prompt and 9 decode steps, against its weights + KV.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -121,7 +121,7 @@ int run_memory_report(const std::string& dtype, const std::string& checkpoint) {
   const double weights = static_cast<double>(model_bytes(*model)) / 1e6;
   const QwenVlConfig& c = model->config();
   const int64_t context = 512;
-  decode_ms(*model, 1, context);  // a prompt and 10 decode steps with a KV cache of context + 9 columns
+  decode_ms(*model, 1, context);  // a prompt, a warm-up step and 8 decode steps: context + 9 columns
   const double kv = 2.0 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * (context + 9) * 4 / 1e6;
   const auto [rss, hwm] = rss_mb();
   nlohmann::json out = {{"dtype", dtype},
@@ -136,7 +136,7 @@ int run_memory_report(const std::string& dtype, const std::string& checkpoint) {
 }
 
 int run_speed_report(int rounds, const std::string& json_path) {
-  fmt::print("vlmgen-bench --speed: 100M Qwen2-VL LM, {} thread(s), kernels: {} (supported: {})\n",
+  fmt::print("vlmgen-bench --speed: 100M Qwen2-VL LM, {} thread(s) (ATen and OpenBLAS), kernels: {} (supported: {})\n",
              at::get_num_threads(), kernels_enabled() ? kernels::isa_name(kernels::active_isa()) : "off (ATen)",
              fmt::join(supported_isa_names(), ", "));
   const double bandwidth = read_bandwidth_gbs();

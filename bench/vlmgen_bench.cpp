@@ -153,7 +153,7 @@ void family_decode_table(int rounds, nlohmann::json& out) {
 }
 
 int run_report(bool quick, const std::string& json_path, int threads) {
-  at::set_num_threads(threads);
+  vlmgen::bench::set_all_threads(threads);
   nlohmann::json out;
   out["build"] = build_info();
   out["threads"] = at::get_num_threads();
@@ -376,7 +376,7 @@ int main(int argc, char** argv) {
     if (tokenizer) return vlmgen::bench::run_tokenizer_report(megabytes, rounds);
     if (!memory.empty()) {
       if (checkpoint.empty()) throw vlmgen::Error("--memory needs --checkpoint DIR");
-      at::set_num_threads(threads);
+      vlmgen::bench::set_all_threads(threads);
       return vlmgen::bench::run_memory_report(memory, checkpoint);
     }
     if (write_checkpoint) {  // the 100M model of the reports, for peers (bench/side_by_side.py)
@@ -386,11 +386,11 @@ int main(int argc, char** argv) {
     }
     if (report) return vlmgen::bench::run_report(quick, json, threads);
     if (speed) {
-      at::set_num_threads(threads);
+      vlmgen::bench::set_all_threads(threads);
       return vlmgen::bench::run_speed_report(rounds, json);
     }
     if (families) {
-      at::set_num_threads(threads);
+      vlmgen::bench::set_all_threads(threads);
       nlohmann::json out;
       vlmgen::bench::family_decode_table(rounds, out);
       return 0;

@@ -3,6 +3,10 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#endif
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -19,6 +23,15 @@
 namespace vlmgen::kernels {
 namespace {
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/// F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c". The
+/// AVX2 and AVX-512 checks that go with it cover the OS's saving of the vector registers.
+bool has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 29)) != 0;
+}
+#endif
+
 /// The CPU reports the path's instructions and this build compiled the path with them (a
 /// compiler without the per-file flags builds the portable code under every name).
 bool cpu_has(Isa isa) {
@@ -26,10 +39,8 @@ bool cpu_has(Isa isa) {
   switch (isa) {
     case Isa::kPortable: return true;
     case Isa::kAvx2:
-      return raw::avx2_compiled() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
-    case Isa::kAvx512:
-      return raw::avx512_compiled() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
+      return raw::avx2_compiled() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c();
+    case Isa::kAvx512: return raw::avx512_compiled() && __builtin_cpu_supports("avx512f") && has_f16c();
   }
   return false;
 #else
@@ -241,6 +252,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
     const at::Tensor b = bias.defined() ? bias.to(weight.scalar_type()) : bias;
     return detail::linear(x.to(weight.scalar_type()), weight, b).to(x.scalar_type());
   }
+  VLMGEN_CHECK(at::isFloatingType(weight.scalar_type()),
+               "kernels::linear: a {} weight is FP8 bytes only with its scales (Fp8Scales), got none",
+               at::toString(weight.scalar_type()));
   const at::Tensor w = weight.scalar_type() == x.scalar_type() ? weight : weight.to(x.scalar_type());
   return detail::linear(x, w, bias);
 }

@@ -25,10 +25,11 @@ struct Avx512 {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static V load_e4m3(const uint8_t* p) {
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
-    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+    // Sign-extended to 16 bits and shifted left by 7, a byte lands with its exponent and mantissa
+    // in a half's fields and its sign in bits 15 and 14; clearing bit 14 leaves the half whose
+    // value is the E4M3 value times 2^-8 (fp8_half_bits, by two operations fewer).
+    const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<int16_t>(0xbfff))));
   }
   static V load_e5m2(const uint8_t* p) {
     const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

@@ -83,6 +83,58 @@ inline float fp8_scale_at(const Fp8Scales& q, int64_t o, int64_t i) {
   return q.grid[(o / q.block_out) * q.grid_cols + i / q.block_in] * q.factor;
 }
 
+/// Where an FP8 tile applies its scales. kAtEnd: one column block (per tensor or per output
+/// channel), each output's sum is scaled once. kToInput: the tile's outputs share a row block, so
+/// the input vectors are scaled per column block (RT multiplies per step, not OT). kToWeights:
+/// each weight vector is scaled (a tile across a row-block edge). kNone: not FP8.
+enum class ScaleMode { kNone, kAtEnd, kToInput, kToWeights };
+
+/// The vector part of a tile: acc[oo][rr] += w(o + oo, i) * x(r + rr, i) over i < vector_end.
+template <class Vec, WeightType T, int OT, int RT, ScaleMode M>
+void tile_loop(const RowsLinear& a, int64_t o, int64_t r, int64_t vector_end, typename Vec::V (&acc)[OT][RT]) {
+  using V = typename Vec::V;
+  constexpr int64_t L = Vec::kLanes;
+  const int64_t in = a.in;
+  [[maybe_unused]] V scales[OT];                 // kToWeights: each output row's scale in the current block
+  [[maybe_unused]] V input_scale = Vec::zero();  // kToInput: the tile's scale in the current block
+  if constexpr (M == ScaleMode::kToWeights)
+    for (int oo = 0; oo < OT; ++oo) scales[oo] = Vec::zero();  // set at i = 0 (a block boundary)
+  // The next tile's weight rows are fetched while this tile computes (the hardware prefetcher
+  // alone leaves a single thread well below the machine's read bandwidth on 16-bit rows).
+  const char* next = static_cast<const char*>(a.w) + (o + OT) * in * static_cast<int64_t>(sizeof(WeightElement<T>));
+  const int64_t row_bytes = in * static_cast<int64_t>(sizeof(WeightElement<T>));
+  const bool prefetch = r == 0 && o + 2 * OT <= a.out_end;
+  [[maybe_unused]] int64_t next_block = 0;  // FP8: where the next column block of scales starts
+  for (int64_t i = 0; i < vector_end; i += L) {
+    const int64_t offset = i * static_cast<int64_t>(sizeof(WeightElement<T>));
+    if (prefetch && offset % 64 == 0)  // once per cache line of each row
+      for (int oo = 0; oo < OT; ++oo) __builtin_prefetch(next + oo * row_bytes + offset);
+    // block_in is a multiple of L: a block boundary starts a vector.
+    if constexpr (M == ScaleMode::kToWeights) {
+      if (i == next_block) {
+        for (int oo = 0; oo < OT; ++oo) scales[oo] = Vec::set1(fp8_scale_at(a.fp8, o + oo, i));
+        next_block += a.fp8.block_in;
+      }
+    }
+    if constexpr (M == ScaleMode::kToInput) {
+      if (i == next_block) {
+        input_scale = Vec::set1(fp8_scale_at(a.fp8, o, i));
+        next_block += a.fp8.block_in;
+      }
+    }
+    V xv[RT];
+    for (int rr = 0; rr < RT; ++rr) {
+      xv[rr] = Vec::load(a.x + (r + rr) * a.ldx + i);
+      if constexpr (M == ScaleMode::kToInput) xv[rr] = Vec::fma(xv[rr], input_scale, Vec::zero());
+    }
+    for (int oo = 0; oo < OT; ++oo) {
+      V w = load_weights<Vec, T>(a.w, (o + oo) * in + i);
+      if constexpr (M == ScaleMode::kToWeights) w = Vec::fma(w, scales[oo], Vec::zero());
+      for (int rr = 0; rr < RT; ++rr) acc[oo][rr] = Vec::fma(w, xv[rr], acc[oo][rr]);
+    }
+  }
+}
+
 /// Outputs [o, o + OT) of rows [r, r + RT): each weight vector is loaded once for the RT rows.
 template <class Vec, WeightType T, int OT, int RT>
 void linear_tile(const RowsLinear& a, int64_t o, int64_t r) {
@@ -93,38 +145,35 @@ void linear_tile(const RowsLinear& a, int64_t o, int64_t r) {
   V acc[OT][RT];
   for (int oo = 0; oo < OT; ++oo)
     for (int rr = 0; rr < RT; ++rr) acc[oo][rr] = Vec::zero();
-  [[maybe_unused]] V scales[OT];  // FP8: the current block's scale of each output row
-  if constexpr (is_fp8(T))
-    for (int oo = 0; oo < OT; ++oo) scales[oo] = Vec::zero();  // set at i = 0 (a block boundary)
-  // The next tile's weight rows are fetched while this tile computes (the hardware prefetcher
-  // alone leaves a single thread well below the machine's read bandwidth on 16-bit rows).
-  const char* next = static_cast<const char*>(a.w) + (o + OT) * in * static_cast<int64_t>(sizeof(WeightElement<T>));
-  const int64_t row_bytes = in * static_cast<int64_t>(sizeof(WeightElement<T>));
-  for (int64_t i = 0; i < vector_end; i += L) {
-    if (r == 0 && o + 2 * OT <= a.out_end) {
-      const int64_t offset = i * static_cast<int64_t>(sizeof(WeightElement<T>));
-      for (int oo = 0; oo < OT; ++oo) __builtin_prefetch(next + oo * row_bytes + offset);
+  ScaleMode mode = ScaleMode::kNone;
+  if constexpr (is_fp8(T)) {
+    if (a.fp8.block_in >= in) {
+      mode = ScaleMode::kAtEnd;
+    } else if (o / a.fp8.block_out == (o + OT - 1) / a.fp8.block_out) {
+      mode = ScaleMode::kToInput;
+    } else {
+      mode = ScaleMode::kToWeights;
     }
-    V xv[RT];
-    for (int rr = 0; rr < RT; ++rr) xv[rr] = Vec::load(a.x + (r + rr) * a.ldx + i);
-    if constexpr (is_fp8(T)) {  // block_in is a multiple of L: a block boundary starts a vector
-      if (i % a.fp8.block_in == 0)
-        for (int oo = 0; oo < OT; ++oo) scales[oo] = Vec::set1(fp8_scale_at(a.fp8, o + oo, i));
-    }
-    for (int oo = 0; oo < OT; ++oo) {
-      V w = load_weights<Vec, T>(a.w, (o + oo) * in + i);
-      if constexpr (is_fp8(T)) w = Vec::fma(w, scales[oo], Vec::zero());
-      for (int rr = 0; rr < RT; ++rr) acc[oo][rr] = Vec::fma(w, xv[rr], acc[oo][rr]);
-    }
+  }
+  switch (mode) {
+    case ScaleMode::kNone: tile_loop<Vec, T, OT, RT, ScaleMode::kNone>(a, o, r, vector_end, acc); break;
+    case ScaleMode::kAtEnd: tile_loop<Vec, T, OT, RT, ScaleMode::kAtEnd>(a, o, r, vector_end, acc); break;
+    case ScaleMode::kToInput: tile_loop<Vec, T, OT, RT, ScaleMode::kToInput>(a, o, r, vector_end, acc); break;
+    case ScaleMode::kToWeights: tile_loop<Vec, T, OT, RT, ScaleMode::kToWeights>(a, o, r, vector_end, acc); break;
   }
   for (int oo = 0; oo < OT; ++oo) {
     for (int rr = 0; rr < RT; ++rr) {
       float s = Vec::sum(acc[oo][rr]);
       const float* x = a.x + (r + rr) * a.ldx;
-      for (int64_t i = vector_end; i < in; ++i) {
-        float w = weight_at<T>(a.w, (o + oo) * in + i);
-        if constexpr (is_fp8(T)) w *= fp8_scale_at(a.fp8, o + oo, i);
-        s += w * x[i];
+      if (mode == ScaleMode::kAtEnd) {  // one scale for the whole row
+        for (int64_t i = vector_end; i < in; ++i) s += weight_at<T>(a.w, (o + oo) * in + i) * x[i];
+        s *= fp8_scale_at(a.fp8, o + oo, 0);
+      } else {
+        for (int64_t i = vector_end; i < in; ++i) {
+          float w = weight_at<T>(a.w, (o + oo) * in + i);
+          if (mode != ScaleMode::kNone) w *= fp8_scale_at(a.fp8, o + oo, i);
+          s += w * x[i];
+        }
       }
       if (a.bias != nullptr) s += a.bias[o + oo];
       a.y[(r + rr) * a.ldy + o + oo] = s;

@@ -14,6 +14,7 @@
 #include "vlmgen/distributed/communicator.h"
 #include "vlmgen/error.h"
 #include "vlmgen/io/safetensors.h"
+#include "vlmgen/logging.h"
 #include "vlmgen/models/quantization.h"
 #include "vlmgen/models/qwen_vl.h"
 
@@ -99,6 +100,11 @@ bool read_fp8_bytes(const SafetensorsCheckpoint& checkpoint, const std::string& 
                     qwen_vl::ShardLayout layout, int64_t rank, int64_t tp, qwen_vl::Linear& linear) {
   const auto [scheme, scale_name] = fp8_scheme_of(checkpoint, name, format, quantization, dir);
   at::Tensor bytes = checkpoint.tensor(name);
+  if (format == Fp8Format::kE4M3) {  // the kernels read bytes as halves, where E4M3's NaN would be a number
+    VLMGEN_CHECK(!bytes.bitwise_and(0x7f).eq(0x7f).any().item<bool>(),
+                 "FP8 tensor {} in checkpoint {} holds NaN bytes (0x7f or 0xff); E4M3 weights must be finite", name,
+                 dir);
+  }
   if (bytes.dim() != 2) return false;
   const int64_t out = bytes.size(0), in = bytes.size(1);
   Fp8ScaleGrid g = scheme.scale_grid({out, in}, checkpoint.tensor(scale_name), name);
@@ -111,11 +117,6 @@ bool read_fp8_bytes(const SafetensorsCheckpoint& checkpoint, const std::string& 
     g.grid = shard_cols(g.grid, rank, tp);
   } else if (layout == qwen_vl::ShardLayout::kStackedRows && tp > 1) {
     return false;
-  }
-  if (format == Fp8Format::kE4M3) {  // the kernels read bytes as halves, where E4M3's NaN would be a number
-    VLMGEN_CHECK(!bytes.bitwise_and(0x7f).eq(0x7f).any().item<bool>(),
-                 "FP8 tensor {} in checkpoint {} holds NaN bytes (0x7f or 0xff); E4M3 weights must be finite", name,
-                 dir);
   }
   linear.weight = detail::take_shard(bytes, layout, rank, tp).contiguous();
   linear.fp8 = kernels::Fp8Scales{g.grid.contiguous(), g.block_out, g.block_in, format == Fp8Format::kE5M2};
@@ -134,6 +135,11 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
   config.validate();
   QwenVl::check_parallel_config(config, parallel);
   const std::optional<QuantizationScheme> quantization = QuantizationScheme::from_checkpoint(dir);
+  VLMGEN_CHECK(!options.keep_fp8 || quantization.has_value(),
+               "checkpoint {} is not FP8 (config.json declares no quantization_config and there is no "
+               "hf_quant_config.json), so its weights cannot be kept as FP8 bytes (keep_fp8 / --dtype fp8); write an "
+               "FP8 copy with vlmgen-quantize, or load it as f32/bf16",
+               dir);
   SafetensorsCheckpoint checkpoint(dir);
   // Some tied checkpoints leave tie_word_embeddings unset but ship no head: use the embedding.
   if (!checkpoint.contains("lm_head.weight")) config.tie_word_embeddings = true;
@@ -164,6 +170,7 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
 
   const int64_t rank = parallel.tp_rank();
   const int64_t tp = parallel.tp_size();
+  int64_t fp8_kept = 0, fp8_dequantized = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     at::Tensor* target = weights[i].tensor;
     const SafetensorsEntry& entry = checkpoint.entry(sources[i]);
@@ -178,8 +185,10 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
       if (linear != nullptr &&
           read_fp8_bytes(checkpoint, sources[i], *entry.fp8, quantization, dir, weights[i].layout, rank, tp, *linear)) {
         checkpoint.release(sources[i]);
+        ++fp8_kept;
         continue;
       }
+      if (linear != nullptr) ++fp8_dequantized;
     }
     if (entry.fp8) {
       *target = detail::take_shard(read_fp8_weight(checkpoint, sources[i], *entry.fp8, quantization, dir),
@@ -194,6 +203,12 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
                  c10::toString(entry.dtype));
     *target = read_slice(checkpoint, sources[i], full, weights[i].layout, rank, tp).to(dtype).contiguous();
     checkpoint.release(sources[i]);  // copied out: the file's pages need not stay resident beside it
+  }
+  if (fp8_dequantized > 0) {
+    log(LogLevel::kWarning,
+        "{}: {} of {} FP8 decoder linears dequantized to {} (their scale blocks do not suit the kernels: an input "
+        "block not a multiple of 16, or blocks a tensor-parallel shard of {} ranks would split); {} kept as bytes",
+        dir, fp8_dequantized, fp8_kept + fp8_dequantized, c10::toString(options.weights_dtype), tp, fp8_kept);
   }
   if (model->config_.tie_word_embeddings) model->tie_lm_head();
   return model;

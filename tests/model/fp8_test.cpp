@@ -493,6 +493,8 @@ TEST_P(Fp8CheckpointTest, EachFormatLoadsAsTheF32ModelOfItsDequantizedWeights) {
       EXPECT_EQ(kept, 7 * config_.num_hidden_layers);  // every decoder linear: 1 byte a weight
     }
     EXPECT_EQ(bytes->keeps_fp8(), kept > 0);
+    std::unique_ptr<QwenVl> bf16_model =
+        QwenVl::from_checkpoint(fp8_dir, ParallelContext::single(), LoadOptions{at::kBFloat16});
     for (const auto& [what, batch, vis] : {std::tuple<const char*, Batch, VisionInputs>{"text", text, VisionInputs()},
                                            std::tuple<const char*, Batch, VisionInputs>{"images", images, vision}}) {
       const at::Tensor got = full_forward(*fp8, batch, vis);
@@ -501,6 +503,10 @@ TEST_P(Fp8CheckpointTest, EachFormatLoadsAsTheF32ModelOfItsDequantizedWeights) {
       EXPECT_LE(rel, 1e-5) << what;
       const at::Tensor from_bytes = full_forward(*bytes, batch, vis);
       EXPECT_LE((from_bytes - got).abs().max().item<double>() / got.abs().max().item<double>(), 1e-5) << what;
+      // bf16 mode: the dequantized weights rounded to bfloat16 (at most 2^-9 of each weight), so
+      // the logits move by well under 1% of their largest magnitude.
+      const at::Tensor bf16 = full_forward(*bf16_model, batch, vis);
+      EXPECT_LE((bf16 - from_bytes).abs().max().item<double>() / got.abs().max().item<double>(), 1e-2) << what;
       // And the FP8 weights are not the F32 ones (the check above would pass on an F32 load).
       const double moved = (got - full_forward(model_, batch, vis)).abs().max().item<double>();
       EXPECT_GT(moved, 1e-4) << what << ": FP8 rounding must show against the F32 model";

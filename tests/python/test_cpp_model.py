@@ -77,5 +77,7 @@ def test_load_model_keeps_16_bit_weights_when_asked_and_refuses_unknown_dtypes(c
     assert bf16.tokens[0][0] == f32.tokens[0][0]
     assert bf16.sequences[0].logprobs[0] == pytest.approx(f32.sequences[0].logprobs[0], abs=0.05)
     assert bf16.sequences[0].logprobs[0] != f32.sequences[0].logprobs[0]  # the weights did change
-    with pytest.raises(vlmgen.Error, match="f32, bf16 or f16, got 'int4'"):
+    with pytest.raises(vlmgen.Error, match="f32, bf16, f16 or fp8, got 'int4'"):
         vlmgen.load_model(checkpoint, dtype="int4")
+    with pytest.raises(vlmgen.Error, match="is not FP8"):  # fp8 needs an FP8 checkpoint
+        vlmgen.load_model(checkpoint, dtype="fp8")
