@@ -114,6 +114,12 @@ inline bool set_all_threads(int threads) {
   return openblas != nullptr;
 }
 
+/// The middle value (the upper one of an even count); 0 for none.
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
 inline std::vector<std::string> supported_isa_names() {
   std::vector<std::string> out;
   for (kernels::Isa isa : kernels::supported_isas()) out.push_back(kernels::isa_name(isa));
@@ -122,5 +128,6 @@ inline std::vector<std::string> supported_isa_names() {
 
 int run_speed_report(int rounds, const std::string& json_path);                  // speed_report.cpp
 int run_memory_report(const std::string& dtype, const std::string& checkpoint);  // speed_report.cpp
+int run_engine_report(int rounds, const std::string& json_path);                 // engine_report.cpp
 
 }  // namespace vlmgen::bench

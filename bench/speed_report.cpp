@@ -107,11 +107,6 @@ double prefill_tokens_per_s(QwenVl& model, int64_t s) {
   return static_cast<double>(s) / seconds_since(t);
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
 }  // namespace
 
 int run_memory_report(const std::string& dtype, const std::string& checkpoint) {

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_models.h"
 #include "text_corpus.h"
 #include "vlmgen/error.h"
 #include "vlmgen/text/tokenizer.h"
@@ -26,11 +27,6 @@ namespace vlmgen::bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 double load_average() {
   std::ifstream f("/proc/loadavg");

@@ -4,6 +4,7 @@
 //   vlmgen-bench --tokenizer [--mb 10] [--rounds 3]     tokenizer vs the JS implementation
 //   vlmgen-bench --families [--rounds 3] [--threads N]   decode ms/token of the 100M LM per model family
 //   vlmgen-bench --speed [--rounds 3] [--threads N] [--json out.json]   decode/prefill/memory, f32 vs bf16
+//   vlmgen-bench --engine [--rounds 3] [--threads N] [--json out.json]  the engine: 1/4/16 streams, TTFT
 //   vlmgen-bench --write-checkpoint DIR                  the 100M model as an HF checkpoint (for peers)
 //   vlmgen-bench --memory f32|bf16|fp8 --checkpoint DIR  peak RSS of one loaded model (one JSON line)
 //   vlmgen-bench [--benchmark_filter=...]               Google Benchmark micro benchmarks
@@ -330,7 +331,8 @@ BENCHMARK(BM_Greedy)->Arg(152064);
 
 int main(int argc, char** argv) {
   vlmgen::detail::prefer_passive_openmp_wait(argv);
-  bool report = false, quick = false, tokenizer = false, families = false, speed = false, write_checkpoint = false;
+  bool report = false, quick = false, tokenizer = false, families = false, speed = false, write_checkpoint = false,
+       engine = false;
   int64_t megabytes = 10;
   int rounds = 3;
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -354,6 +356,8 @@ int main(int argc, char** argv) {
       memory = argv[++i];
     } else if (std::strcmp(argv[i], "--speed") == 0) {
       speed = true;
+    } else if (std::strcmp(argv[i], "--engine") == 0) {
+      engine = true;
     } else if (std::strcmp(argv[i], "--families") == 0) {
       families = true;
     } else if (std::strcmp(argv[i], "--tokenizer") == 0) {
@@ -388,6 +392,10 @@ int main(int argc, char** argv) {
     if (speed) {
       vlmgen::bench::set_all_threads(threads);
       return vlmgen::bench::run_speed_report(rounds, json);
+    }
+    if (engine) {
+      vlmgen::bench::set_all_threads(threads);
+      return vlmgen::bench::run_engine_report(rounds, json);
     }
     if (families) {
       vlmgen::bench::set_all_threads(threads);

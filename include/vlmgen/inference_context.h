@@ -57,10 +57,12 @@ class InferenceContext {
     VLMGEN_CHECK(batch >= 1, "InferenceContext batch must be >= 1, got {}", batch);
     VLMGEN_CHECK(capacity >= 1, "InferenceContext capacity must be >= 1, got {}", capacity);
     auto opts = at::TensorOptions().dtype(spec.dtype).device(device);
+    // One allocation for every layer's K and V (never read beyond length(), so it needs no
+    // initialisation); each layer's keys and values are views of it.
+    const at::Tensor storage = at::empty({spec.num_layers, 2, batch, spec.num_kv_heads, capacity, spec.head_dim}, opts);
     for (int64_t l = 0; l < spec.num_layers; ++l) {
-      // Never read beyond length(), so the storage needs no initialisation.
-      keys_.push_back(at::empty({batch, spec.num_kv_heads, capacity, spec.head_dim}, opts));
-      values_.push_back(at::empty({batch, spec.num_kv_heads, capacity, spec.head_dim}, opts));
+      keys_.push_back(storage.select(0, l).select(0, 0));
+      values_.push_back(storage.select(0, l).select(0, 1));
     }
     tokens_ = at::zeros({batch, capacity}, at::kLong);
     mask_ = at::zeros({batch, capacity}, at::kLong);

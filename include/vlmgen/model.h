@@ -94,6 +94,18 @@ class CausalVlm {
   /// but does not commit: the generator does.
   virtual at::Tensor forward(const ForwardArgs& args) = 0;
 
+  /// Several independent forward calls at once: different requests, each with its own window,
+  /// KV cache, mask and positions (the engine's decode step). Returns each call's logits as
+  /// forward would. A model may fuse them into one pass that reads its weights once for all;
+  /// the default runs them one after another. Either way no context is committed, and when one
+  /// call fails the whole batch throws.
+  virtual std::vector<at::Tensor> forward_batch(const std::vector<const ForwardArgs*>& calls) {
+    std::vector<at::Tensor> logits;
+    logits.reserve(calls.size());
+    for (const ForwardArgs* call : calls) logits.push_back(forward(*call));
+    return logits;
+  }
+
   /// Device the model's inputs should be on.
   virtual at::Device device() const { return at::kCPU; }
 

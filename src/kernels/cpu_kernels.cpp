@@ -232,6 +232,55 @@ at::Tensor linear_on(Isa isa, const at::Tensor& x, const at::Tensor& weight, con
   return y.view(shape);
 }
 
+namespace {
+
+/// Rows [first, last) of `weight` as float32 (FP8: times their scales) into dst, on the ATen
+/// threads.
+void widen_rows(Isa isa, const at::Tensor& weight, const Fp8Scales& fp8, const at::Tensor& grid, int64_t first,
+                int64_t last, float* dst) {
+  const int64_t cols = weight.dim() == 2 ? weight.size(1) : 1;
+  raw::WidenArgs a{weight.data_ptr(), weight_type(weight, fp8), dst, cols, raw_scales(grid, fp8), first * cols};
+  if (fp8.defined()) {  // by rows
+    at::parallel_for(first, last, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, cols)),
+                     [&](int64_t begin, int64_t end) { run_widen(isa, a, begin, end); });
+  } else {
+    at::parallel_for(first * cols, last * cols, 1 << 16,
+                     [&](int64_t begin, int64_t end) { run_widen(isa, a, begin, end); });
+  }
+}
+
+/// Float32 weights per block of widened_linear: 4 MiB.
+constexpr int64_t kWidenBlockFloats = int64_t{1} << 20;
+
+/// x [..., in] times a 16-bit or FP8 weight [out, in] through ATen's GEMM, the weight widened a
+/// block of output rows at a time into one buffer that each thread keeps: a prefill allocates
+/// no float32 copy of each matrix per call (those multi-megabyte allocations are what moves
+/// glibc's mmap threshold and slows later decoding).
+at::Tensor widened_linear(Isa isa, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                          const Fp8Scales& fp8) {
+  const at::Tensor grid = checked_fp8_grid(weight, fp8);
+  const int64_t out_features = weight.size(0), in = weight.size(1);
+  const int64_t rows = in == 0 ? 0 : x.numel() / in;
+  const at::Tensor flat = x.reshape({rows, in});
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const int64_t block = std::max<int64_t>(1, kWidenBlockFloats / std::max<int64_t>(1, in));
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(std::max<int64_t>(buffer.size(), std::min(block, out_features) * in)));
+  for (int64_t first = 0; first < out_features; first += block) {
+    const int64_t n = std::min(block, out_features - first);
+    widen_rows(isa, weight, fp8, grid, first, first + n, buffer.data());
+    const at::Tensor w = at::from_blob(buffer.data(), {n, in}, at::TensorOptions().dtype(at::kFloat));
+    at::Tensor part = y.narrow(1, first, n);
+    at::mm_out(part, flat, w.t());
+  }
+  if (bias.defined()) y.add_(bias);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = out_features;
+  return y.view(shape);
+}
+
+}  // namespace
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const Fp8Scales& fp8) {
   VLMGEN_CHECK(x.dim() >= 1, "kernels::linear: the input must have a feature dimension, got {}", detail::shape_str(x));
   const int64_t in = x.size(-1);
@@ -243,8 +292,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   if (rows <= max_rows && fits && enabled()) return linear_on(active_isa(), x, weight, bias, fp8);
   // Many rows: ATen's GEMM on float32 weights, widened here (ATen's own bfloat16 widening is ~10x
   // slower, and it cannot read FP8 at all).
-  if (fits && (fp8.defined() || (weight.scalar_type() != at::kFloat && enabled())))
-    return detail::linear(x, widen_on(active_isa(), weight, fp8), bias);
+  if (fits && (fp8.defined() || (weight.scalar_type() != at::kFloat && enabled()))) {
+    return widened_linear(active_isa(), x, weight, bias, fp8);
+  }
   VLMGEN_CHECK(!fp8.defined(), "kernels::linear: FP8 weights need float32 input on the CPU, got {} on {}",
                at::toString(x.scalar_type()), x.device().str());
   if (!x.device().is_cpu() && weight.scalar_type() != x.scalar_type() && at::isFloatingType(weight.scalar_type())) {
@@ -267,14 +317,8 @@ at::Tensor widen_on(Isa isa, const at::Tensor& weight, const Fp8Scales& fp8) {
                at::toString(weight.scalar_type()), detail::shape_str(weight));
   const at::Tensor grid = checked_fp8_grid(weight, fp8);
   at::Tensor out = at::empty(weight.sizes(), weight.options().dtype(at::kFloat));
-  raw::WidenArgs a{weight.data_ptr(), weight_type(weight, fp8), out.data_ptr<float>(),
-                   weight.dim() == 2 ? weight.size(1) : 1, raw_scales(grid, fp8)};
-  if (fp8.defined()) {  // by rows
-    at::parallel_for(0, weight.size(0), std::max<int64_t>(1, 65536 / std::max<int64_t>(1, weight.size(1))),
-                     [&](int64_t begin, int64_t end) { run_widen(isa, a, begin, end); });
-  } else {
-    at::parallel_for(0, weight.numel(), 1 << 16, [&](int64_t begin, int64_t end) { run_widen(isa, a, begin, end); });
-  }
+  if (out.numel() > 0)
+    widen_rows(isa, weight, fp8, grid, 0, weight.dim() == 2 ? weight.size(0) : weight.numel(), out.data_ptr<float>());
   return out;
 }
 

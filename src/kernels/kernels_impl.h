@@ -227,17 +227,19 @@ void widen_typed(const WidenArgs& a, int64_t begin, int64_t end) {
   if constexpr (is_fp8(T)) {  // row by row: [begin, end) counts rows of a.cols weights
     for (int64_t row = begin; row < end; ++row) {
       const int64_t base = row * a.cols;
+      float* dst = a.dst + (base - a.dst_begin);
       int64_t i = 0;
       for (; i + L <= a.cols; i += L) {  // block_in is a multiple of L
         const typename Vec::V w = load_weights<Vec, T>(a.src, base + i);
-        Vec::store(a.dst + base + i, Vec::fma(w, Vec::set1(fp8_scale_at(a.fp8, row, i)), Vec::zero()));
+        Vec::store(dst + i, Vec::fma(w, Vec::set1(fp8_scale_at(a.fp8, row, i)), Vec::zero()));
       }
-      for (; i < a.cols; ++i) a.dst[base + i] = weight_at<T>(a.src, base + i) * fp8_scale_at(a.fp8, row, i);
+      for (; i < a.cols; ++i) dst[i] = weight_at<T>(a.src, base + i) * fp8_scale_at(a.fp8, row, i);
     }
-  } else {  // [begin, end) counts elements
+  } else {                                       // [begin, end) counts elements
+    float* dst = a.dst + (begin - a.dst_begin);  // dst[i - begin] receives element i
     int64_t i = begin;
-    for (; i + L <= end; i += L) Vec::store(a.dst + i, load_weights<Vec, T>(a.src, i));
-    for (; i < end; ++i) a.dst[i] = weight_at<T>(a.src, i);
+    for (; i + L <= end; i += L) Vec::store(dst + (i - begin), load_weights<Vec, T>(a.src, i));
+    for (; i < end; ++i) dst[i - begin] = weight_at<T>(a.src, i);
   }
 }
 

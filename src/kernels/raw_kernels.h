@@ -43,9 +43,10 @@ struct RowsLinear {
 struct WidenArgs {
   const void* src;
   WeightType type;
-  float* dst;
+  float* dst;  // holds the widened elements from dst_begin on
   int64_t cols;
   Fp8Scales fp8;
+  int64_t dst_begin = 0;  // flat index (row x cols + col) of the weight that dst[0] receives
 };
 
 /// Attention for the query heads of one (batch row, KV head): q rows of `groups` heads x S

@@ -370,7 +370,7 @@ at::Tensor QwenVl::encode_images(const VisionInputs& vision) {
   return run_vision_tower(vision);
 }
 
-at::Tensor QwenVl::forward(const ForwardArgs& args) {
+QwenVl::CheckedWindow QwenVl::check_window(const ForwardArgs& args) const {
   const at::Tensor& ids_in = args.input_ids;
   VLMGEN_CHECK(ids_in.defined() && ids_in.dim() == 2 && ids_in.size(1) >= 1,
                "input_ids must be [B, S] with S >= 1, got {}", detail::shape_str(ids_in));
@@ -415,13 +415,27 @@ at::Tensor QwenVl::forward(const ForwardArgs& args) {
     VLMGEN_CHECK(args.context->batch_size() == b, "the KV cache has {} rows but the window has {}",
                  args.context->batch_size(), b);
   }
+  CheckedWindow w;
+  w.ids = ids;
+  w.positions = positions;
+  w.segment = LmSegment{b, s, start, args.context, mask, args.last_column_logits};
+  return w;
+}
 
-  // [B, S, hidden], a fresh tensor; under TP each rank looks up the ids it holds and an
-  // all-reduce assembles the rows.
-  at::Tensor hidden =
-      tp_comm_ == nullptr
-          ? at::embedding(lm_.embed_tokens, ids).to(at::kFloat)
-          : vocab_parallel_embedding(ids, lm_.embed_tokens, parallel_.tp_rank() * lm_.embed_tokens.size(0), tp_comm_);
+at::Tensor QwenVl::embed(const at::Tensor& ids) const {
+  // A fresh tensor; under TP each rank looks up the ids it holds and an all-reduce assembles
+  // the rows.
+  return tp_comm_ == nullptr ? at::embedding(lm_.embed_tokens, ids).to(at::kFloat)
+                             : vocab_parallel_embedding(ids, lm_.embed_tokens,
+                                                        parallel_.tp_rank() * lm_.embed_tokens.size(0), tp_comm_);
+}
+
+at::Tensor QwenVl::forward(const ForwardArgs& args) {
+  const CheckedWindow window = check_window(args);
+  const at::Tensor& ids = window.ids;
+  const int64_t b = window.segment.rows, s = window.segment.cols;
+  const at::Device dev = device();
+  at::Tensor hidden = embed(ids);  // [B, S, hidden]
 
   const bool have_embeddings = args.image_embeddings.defined();
   at::Tensor deepstack;       // [placeholders, deepstack_count, hidden] (Qwen3-VL with images in the window)
@@ -460,8 +474,30 @@ at::Tensor QwenVl::forward(const ForwardArgs& args) {
   // Without vision, placeholder tokens embed as ordinary tokens: the legacy step-zero behaviour
   // that the replay tests reproduce on purpose.
 
-  return run_language_model(hidden, positions, mask, start, args.context, args.last_column_logits, deepstack,
-                            deepstack_rows);
+  return run_language_model(hidden, window.positions, {window.segment}, deepstack, deepstack_rows).front();
+}
+
+std::vector<at::Tensor> QwenVl::forward_batch(const std::vector<const ForwardArgs*>& calls) {
+  // Fused: decode windows over a KV cache, without images; under SP only one-token windows (a
+  // longer window would be split across ranks, and the split is per call).
+  const bool sequence_split = tp_comm_ != nullptr && parallel_.sequence_parallel();
+  bool fuse = calls.size() > 1;
+  for (const ForwardArgs* call : calls) {
+    fuse = fuse && call->context != nullptr && call->vision.empty() && !call->image_embeddings.defined() &&
+           call->images.empty() && !(sequence_split && call->input_ids.defined() && call->input_ids.size(-1) > 1);
+  }
+  if (!fuse) return CausalVlm::forward_batch(calls);
+  std::vector<at::Tensor> ids, positions;
+  std::vector<LmSegment> segments;
+  for (const ForwardArgs* call : calls) {
+    CheckedWindow w = check_window(*call);
+    ids.push_back(w.ids.reshape({-1}));
+    positions.push_back(w.positions.reshape({3, 1, -1}));
+    segments.push_back(std::move(w.segment));
+  }
+  // Every call's tokens in one [1, T] stream, the rows of each call one after another.
+  const at::Tensor hidden = embed(at::cat(ids).unsqueeze(0));
+  return run_language_model(hidden, at::cat(positions, 2), segments);
 }
 
 namespace {

@@ -101,9 +101,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 }  // namespace
 
-at::Tensor QwenVl::run_language_model(at::Tensor x, const at::Tensor& position_ids, const at::Tensor& attention_mask,
-                                      int64_t window_start, InferenceContext* context, bool last_column_only,
-                                      const at::Tensor& deepstack, const at::Tensor& deepstack_rows) const {
+std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tensor& position_ids,
+                                                   const std::vector<LmSegment>& segments, const at::Tensor& deepstack,
+                                                   const at::Tensor& deepstack_rows) const {
   const QwenVlConfig& c = config_;
   const int64_t b = x.size(0);
   const int64_t s = x.size(1);
@@ -113,23 +113,50 @@ at::Tensor QwenVl::run_language_model(at::Tensor x, const at::Tensor& position_i
   const int64_t kv_heads = c.num_key_value_heads / tp;
   const int64_t head_dim = c.head_dim;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const bool one = segments.size() == 1;
 
   auto [cos, sin] = mrope_cos_sin(position_ids, c);
 
-  // Keys are the cached columns [0, window_start) plus the window; without a cache only the
-  // window. Query column q sees key column k when k <= q and the key is not padding.
-  const int64_t key_begin = context != nullptr ? 0 : window_start;
-  const int64_t key_end = window_start + s;
-  const AttentionWindow window{window_start, key_begin,
-                               attention_mask.narrow(1, key_begin, key_end - key_begin).eq(1),  // [B, K]
-                               scale};
+  // Per segment: keys are the cached columns [0, window_start) plus the window; without a
+  // cache only the window. Query column q sees key column k when k <= q and the key is not
+  // padding.
+  std::vector<AttentionWindow> windows;
+  for (const LmSegment& g : segments) {
+    const int64_t key_begin = g.context != nullptr ? 0 : g.window_start;
+    const int64_t key_end = g.window_start + g.cols;
+    windows.push_back(AttentionWindow{g.window_start, key_begin,
+                                      g.attention_mask.narrow(1, key_begin, key_end - key_begin).eq(1),  // [rows, K]
+                                      scale});
+  }
+  // Attention of every segment over its own cache; q [b, heads, s, D], k and v [b, kv, s, D].
+  // Several segments lie in one [1, T] stream: each takes its rows x cols tokens as
+  // [rows, heads, cols, D] and its output goes back to its place.
+  auto attention = [&](int64_t layer, const at::Tensor& q, at::Tensor k, at::Tensor v) {
+    if (one) {
+      if (segments[0].context != nullptr) std::tie(k, v) = segments[0].context->append_kv(layer, k, v);
+      return attend(q, k, v, windows[0]).transpose(1, 2).reshape({b, s, heads * head_dim});
+    }
+    std::vector<at::Tensor> parts;
+    int64_t offset = 0;
+    for (size_t i = 0; i < segments.size(); ++i) {
+      const LmSegment& g = segments[i];
+      auto own = [&](const at::Tensor& t) {
+        return t.narrow(2, offset, g.rows * g.cols).reshape({t.size(1), g.rows, g.cols, head_dim}).transpose(0, 1);
+      };
+      at::Tensor qi = own(q), ki = own(k), vi = own(v);
+      if (g.context != nullptr) std::tie(ki, vi) = g.context->append_kv(layer, ki, vi);
+      parts.push_back(attend(qi, ki, vi, windows[i]).transpose(1, 2).reshape({g.rows * g.cols, heads * head_dim}));
+      offset += g.rows * g.cols;
+    }
+    return at::cat(parts).view({b, s, heads * head_dim});
+  };
 
   // Sequence parallelism for windows of more than one token: between blocks each rank keeps
   // [B, padded / tp, hidden] of the residual stream; a one-token decode step is not split.
   // Attention and the MLP see the whole window (gathered, padding dropped), so positions, the
   // mask and the KV cache are the same as without SP.
   Communicator* comm = tp_comm_;
-  const bool split = comm != nullptr && parallel_.sequence_parallel() && s > 1;
+  const bool split = comm != nullptr && parallel_.sequence_parallel() && one && s > 1;
   int64_t padded = s;
   if (split) {
     SequenceShard shard = scatter_sequence(x, comm);
@@ -171,10 +198,7 @@ at::Tensor QwenVl::run_language_model(at::Tensor x, const at::Tensor& position_i
     at::Tensor v = detail::apply_linear(h, w.v_proj).view({b, s, kv_heads, head_dim}).transpose(1, 2);
     q = detail::apply_rotary(q, cos, sin);
     k = detail::apply_rotary(k, cos, sin);
-    if (context != nullptr) std::tie(k, v) = context->append_kv(static_cast<int64_t>(layer), k, v);
-
-    at::Tensor attn = attend(q, k, v, window).transpose(1, 2).reshape({b, s, heads * head_dim});
-    x = x + reduce(attn, w.o_proj);
+    x = x + reduce(attention(static_cast<int64_t>(layer), q, k, v), w.o_proj);
 
     h = whole(detail::apply_rms_norm(x, w.post_attention_layernorm, c.rms_norm_eps));
     at::Tensor gated = at::silu(detail::apply_linear(h, w.gate_proj)) * detail::apply_linear(h, w.up_proj);
@@ -182,8 +206,29 @@ at::Tensor QwenVl::run_language_model(at::Tensor x, const at::Tensor& position_i
     if (layer < deepstack_add.size()) x = x + deepstack_add[layer];
   }
   x = whole(detail::apply_rms_norm(x, lm_.norm, c.rms_norm_eps));
-  if (last_column_only) x = x.narrow(1, x.size(1) - 1, 1);
-  return kernels::linear(x, lm_.lm_head);  // [B, S or 1, vocab] (vocab / tp under TP), float32
+  // [B, S or 1, vocab] (vocab / tp under TP), float32
+  if (one) return {kernels::linear(segments[0].last_column_only ? x.narrow(1, s - 1, 1) : x, lm_.lm_head)};
+  // The output layer once over the columns the segments want (the last of each row, or all).
+  std::vector<int64_t> wanted;
+  int64_t offset = 0;
+  for (const LmSegment& g : segments) {
+    for (int64_t r = 0; r < g.rows; ++r) {
+      for (int64_t col = g.last_column_only ? g.cols - 1 : 0; col < g.cols; ++col) {
+        wanted.push_back(offset + r * g.cols + col);
+      }
+    }
+    offset += g.rows * g.cols;
+  }
+  const at::Tensor index = at::tensor(wanted, at::kLong).to(x.device());
+  const at::Tensor logits = kernels::linear(x.select(0, 0).index_select(0, index).unsqueeze(0), lm_.lm_head).squeeze(0);
+  std::vector<at::Tensor> out;
+  offset = 0;
+  for (const LmSegment& g : segments) {
+    const int64_t cols = g.last_column_only ? 1 : g.cols;
+    out.push_back(logits.narrow(0, offset, g.rows * cols).view({g.rows, cols, logits.size(1)}));
+    offset += g.rows * cols;
+  }
+  return out;
 }
 
 }  // namespace vlmgen

@@ -95,15 +95,28 @@ TEST(Engine, StaggeredRequestsFromFourThreadsEqualTheGeneratorAlone) {
   EXPECT_EQ(m.kv_bytes_used, 0);
   EXPECT_LE(m.max_running_seen, 6);
   EXPECT_EQ(m.max_running_seen, 6);  // requests did overlap, up to the limit
+  int64_t with_tokens = 0, tokens = 0;
+  for (const GenerationResult& r : expected) {
+    with_tokens += r.stats.generated_tokens > 0;
+    tokens += r.stats.generated_tokens;
+  }
+  EXPECT_EQ(m.first_tokens, with_tokens);
+  EXPECT_EQ(m.generated_tokens, tokens);
+  EXPECT_GT(m.mean_time_to_first_token_s(), 0.0);
+  EXPECT_GT(m.tokens_per_s(), 0.0);
+  EXPECT_GT(m.decode_batches, 0);  // decoding requests stepped together
 }
 
 TEST(Engine, AKvBudgetForThreeRunsTenToTheEndAndRefusesOneThatCanNeverFit) {
   testing::FakeVlm model;
   const int64_t per_token = model.traits().kv_cache.bytes_per_token();
   ASSERT_GT(per_token, 0);
-  // Each request: 10-token prompt + 6 new tokens → 15 columns.
+  // Each request: 10-token prompt + 6 new tokens → 15 columns: 3 blocks of 5 columns. The
+  // budget holds 10 blocks: 3 requests.
   const int64_t per_request = per_token * 15;
-  Engine engine(model, EngineOptions().max_running(16).kv_cache_bytes(3 * per_request + per_request / 2));
+  Engine engine(model,
+                EngineOptions().max_running(16).kv_block_columns(5).kv_cache_bytes(3 * per_request + per_request / 2));
+  EXPECT_EQ(engine.metrics().kv_blocks_total, 10);
   std::vector<std::shared_ptr<RequestHandle>> handles;
   std::vector<GenerationResult> expected;
   std::vector<std::vector<int64_t>> prompts;
@@ -130,13 +143,14 @@ TEST(Engine, AKvBudgetForThreeRunsTenToTheEndAndRefusesOneThatCanNeverFit) {
   for (int i = 0; i < 10; ++i) EXPECT_EQ(handles[i]->wait().sequences[0].tokens, expected[i].sequences[0].tokens);
   EXPECT_EQ(engine.metrics().max_running_seen, 3);
   EXPECT_EQ(engine.metrics().kv_bytes_used, 0);
+  EXPECT_EQ(engine.metrics().kv_blocks_used, 0);
 
   std::vector<int64_t> long_prompt(100, 5);
   try {
     engine.submit({{long_prompt}}, GenerationConfig().max_new_tokens(10));
     FAIL() << "accepted a request larger than the whole budget";
   } catch (const Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("bytes of KV cache"));
+    EXPECT_THAT(e.what(), HasSubstr("needs 22 KV blocks"));  // 109 columns in blocks of 5
     EXPECT_THAT(e.what(), HasSubstr("whole budget"));
   }
 }
@@ -168,6 +182,7 @@ TEST(Engine, CancellingMidDecodeEndsThatRequestAndFreesItsCache) {
                 .sequences[0]
                 .tokens);
   EXPECT_EQ(engine.metrics().kv_bytes_used, 0);
+  EXPECT_EQ(engine.metrics().kv_blocks_used, 0);  // the cancelled request's blocks are back
 }
 
 // Throws on any window holding token 50; otherwise FakeVlm.

@@ -229,7 +229,7 @@ async function main() {
   for (let i = 0; i < 200 && !freed; i++) {
     await new Promise((res) => setTimeout(res, 50));
     freed = (await statusCount(499)) === before499 + 1 && (await metric('vlmgen_kv_cache_bytes_used')) === 0 &&
-            (await metric('vlmgen_requests_running')) === 0;
+            (await metric('vlmgen_kv_blocks_used')) === 0 && (await metric('vlmgen_requests_running')) === 0;
   }
   check(freed, 'the abandoned stream was cancelled and its KV cache freed', { kv: await metric('vlmgen_kv_cache_bytes_used') });
   console.log('OK disconnect: cancelled, KV cache back to 0');

@@ -525,6 +525,8 @@ class Server {
     gauge("vlmgen_requests_waiting", "gauge", "Requests waiting for admission.", m.waiting);
     gauge("vlmgen_kv_cache_bytes_used", "gauge", "KV-cache bytes held by running requests.", m.kv_bytes_used);
     gauge("vlmgen_kv_cache_bytes_budget", "gauge", "KV-cache byte budget (--kv-cache-bytes).", m.kv_bytes_budget);
+    gauge("vlmgen_kv_blocks_used", "gauge", "KV-cache blocks held by running requests.", m.kv_blocks_used);
+    gauge("vlmgen_kv_blocks_total", "gauge", "KV-cache blocks the budget holds.", m.kv_blocks_total);
     gauge("vlmgen_prefix_cache_lookups_total", "counter", "Prompts looked up in the prefix cache.",
           m.prefix_cache_lookups);
     gauge("vlmgen_prefix_cache_hits_total", "counter", "Prefix-cache lookups that hit.", m.prefix_cache_hits);

@@ -12,8 +12,10 @@
 //   auto handle = engine.submit({{prompt}, vision}, vlmgen::GenerationConfig().max_new_tokens(64));
 //   vlmgen::GenerationResult result = handle->wait();   // or handle->cancel()
 //
-// This first engine steps its running requests one after another (one forward call per request
-// per step); batching them into one forward call needs per-row windows in ForwardArgs.
+// Each step, the requests that are decoding over their KV cache make their forward calls
+// together (CausalVlm::forward_batch: each call keeps its own window, cache, mask and positions;
+// a model that fuses them reads its weights once per step for all); a request's prefill or a
+// no-cache recompute (which carries its images) is a call of its own.
 
 #include <c10/core/InferenceMode.h>
 
@@ -27,6 +29,7 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -50,7 +53,8 @@ class EngineOptions {
     return *this;
   }
   int64_t max_running() const { return max_running_; }
-  /// KV-cache bytes all running requests may hold together (> 0). Default 1 GiB.
+  /// KV-cache bytes all running requests may hold together (> 0), in blocks of
+  /// kv_block_columns columns. Default 1 GiB.
   EngineOptions& kv_cache_bytes(int64_t value) {
     kv_cache_bytes_ = value;
     return *this;
@@ -74,6 +78,13 @@ class EngineOptions {
     return *this;
   }
   int64_t prefix_block_columns() const { return prefix_block_columns_; }
+  /// Columns per KV block (>= 1): a request holds, per row, the blocks its prompt and new
+  /// tokens fill, and the budget is counted in blocks. Default 16.
+  EngineOptions& kv_block_columns(int64_t value) {
+    kv_block_columns_ = value;
+    return *this;
+  }
+  int64_t kv_block_columns() const { return kv_block_columns_; }
 
  private:
   int64_t max_running_ = 16;
@@ -81,6 +92,7 @@ class EngineOptions {
   int64_t encoder_cache_bytes_ = int64_t{256} << 20;
   int64_t prefix_cache_bytes_ = int64_t{256} << 20;
   int64_t prefix_block_columns_ = 16;
+  int64_t kv_block_columns_ = 16;
 };
 
 /// What the engine is doing, read at any time from any thread.
@@ -89,8 +101,10 @@ struct EngineMetrics {
   int64_t waiting = 0;               ///< submitted, not yet admitted
   int64_t finished = 0;              ///< completed with a result (cancelled ones included)
   int64_t failed = 0;                ///< completed with an error
-  int64_t kv_bytes_used = 0;         ///< KV cache held by running requests
+  int64_t kv_bytes_used = 0;         ///< KV cache held by running requests (their blocks)
   int64_t kv_bytes_budget = 0;       ///< EngineOptions::kv_cache_bytes
+  int64_t kv_blocks_used = 0;        ///< KV blocks held by running requests
+  int64_t kv_blocks_total = 0;       ///< blocks the budget holds
   int64_t max_running_seen = 0;      ///< most requests ever running at once
   int64_t generated_tokens = 0;      ///< over all finished requests
   int64_t steps = 0;                 ///< step-loop iterations that ran a request
@@ -99,6 +113,18 @@ struct EngineMetrics {
   int64_t prefix_cache_lookups = 0;
   int64_t prefix_cache_hits = 0;
   int64_t prefix_cache_hit_columns = 0;  ///< prompt columns not computed thanks to the cache
+  int64_t decode_batches = 0;            ///< forward_batch calls (one per step that had decoding requests)
+  int64_t max_decode_batch = 0;          ///< most requests' decode calls in one forward_batch
+  double busy_s = 0;                     ///< seconds the step loop spent stepping requests
+  double time_to_first_token_s_sum = 0;  ///< from submit, over finished requests that produced a token
+  int64_t first_tokens = 0;              ///< how many requests that sum covers
+
+  /// Generated tokens per second of stepping (0 before any).
+  double tokens_per_s() const { return busy_s > 0 ? static_cast<double>(generated_tokens) / busy_s : 0.0; }
+  /// Mean time to first token over finished requests (0 before any).
+  double mean_time_to_first_token_s() const {
+    return first_tokens > 0 ? time_to_first_token_s_sum / static_cast<double>(first_tokens) : 0.0;
+  }
 };
 
 /// A submitted request: its result (or error) when it ends, and a way to cancel it.
@@ -137,7 +163,9 @@ class Engine {
     VLMGEN_CHECK(options.encoder_cache_bytes() >= 0, "encoder_cache_bytes must be >= 0, got {}",
                  options.encoder_cache_bytes());
     VLMGEN_CHECK(options.kv_cache_bytes() > 0, "kv_cache_bytes must be > 0, got {}", options.kv_cache_bytes());
+    VLMGEN_CHECK(options.kv_block_columns() >= 1, "kv_block_columns must be >= 1, got {}", options.kv_block_columns());
     metrics_.kv_bytes_budget = options.kv_cache_bytes();
+    metrics_.kv_blocks_total = block_bytes() > 0 ? options.kv_cache_bytes() / block_bytes() : 0;
     loop_ = std::thread([this] { run(); });
   }
   /// Cancels what is waiting or running, lets those requests end (with kCancelled), and stops
@@ -162,15 +190,17 @@ class Engine {
   std::shared_ptr<RequestHandle> submit(GenerateRequest request, GenerationConfig config) {
     VLMGEN_CHECK(request.context == nullptr,
                  "an engine request cannot bring its own InferenceContext; the engine allocates each request's");
-    const int64_t need = kv_bytes_needed(request, config);
-    VLMGEN_CHECK(need <= options_.kv_cache_bytes(),
-                 "the request needs {} bytes of KV cache ({} rows x {} columns) but the engine's whole budget is {}",
-                 need, request.prompts.size(), columns_needed(request, config), options_.kv_cache_bytes());
+    const int64_t need = kv_blocks_needed(request, config);
+    VLMGEN_CHECK(need <= metrics_.kv_blocks_total,
+                 "the request needs {} KV blocks ({} rows x {} columns, {} columns and {} bytes per block) but the "
+                 "engine's whole budget of {} bytes holds {}",
+                 need, request.prompts.size(), columns_needed(request, config), options_.kv_block_columns(),
+                 block_bytes(), options_.kv_cache_bytes(), metrics_.kv_blocks_total);
     std::shared_ptr<RequestHandle> handle(new RequestHandle());
     {
       std::lock_guard<std::mutex> lock(mutex_);
       VLMGEN_CHECK(!stopping_, "the engine is shutting down");
-      waiting_.push_back(Waiting{std::move(request), std::move(config), handle, need});
+      waiting_.push_back(Waiting{std::move(request), std::move(config), handle, need, detail::Clock::now()});
       metrics_.waiting = static_cast<int64_t>(waiting_.size());
     }
     wake_.notify_all();
@@ -195,14 +225,16 @@ class Engine {
     GenerateRequest request;
     GenerationConfig config;
     std::shared_ptr<RequestHandle> handle;
-    int64_t kv_bytes;
+    int64_t kv_blocks;
+    detail::Clock::time_point submitted;
   };
   struct Running {
     std::unique_ptr<InferenceContext> context;  // seeded from the prefix cache (else the stepper's own)
     std::unique_ptr<detail::RequestStepper> stepper;
     std::shared_ptr<RequestHandle> handle;
-    int64_t kv_bytes;
+    int64_t kv_blocks;
     std::vector<ContentHash> prefix_keys;  // blocks to cache once the prompt is computed
+    double queued_s = 0;                   // from submit to admission
   };
 
   static int64_t columns_needed(const GenerateRequest& request, const GenerationConfig& config) {
@@ -210,11 +242,15 @@ class Engine {
     for (const auto& p : request.prompts) longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
     return longest + std::max<int64_t>(config.max_new_tokens() - 1, 0);
   }
-  int64_t kv_bytes_needed(const GenerateRequest& request, const GenerationConfig& config) const {
+  // Bytes of one KV block (one row, kv_block_columns columns, every layer); kv_blocks_total is
+  // read without the lock (set once in the constructor).
+  int64_t block_bytes() const { return model_.traits().kv_cache.bytes_per_token() * options_.kv_block_columns(); }
+  int64_t kv_blocks_needed(const GenerateRequest& request, const GenerationConfig& config) const {
     const ModelTraits& traits = model_.traits();
-    if (!config.enable_kv_cache() || !traits.supports_kv_cache) return 0;
-    return traits.kv_cache.bytes_per_token() * static_cast<int64_t>(request.prompts.size()) *
-           columns_needed(request, config);
+    if (!config.enable_kv_cache() || !traits.supports_kv_cache || block_bytes() == 0) return 0;
+    const int64_t per_row =
+        (columns_needed(request, config) + options_.kv_block_columns() - 1) / options_.kv_block_columns();
+    return per_row * static_cast<int64_t>(request.prompts.size());
   }
 
   // Takes the waiting requests that fit (slots and KV budget) off the queue and books their KV
@@ -222,8 +258,9 @@ class Engine {
   std::vector<Waiting> admit(int64_t running) {
     std::vector<Waiting> admitted;
     while (!waiting_.empty() && running + static_cast<int64_t>(admitted.size()) < options_.max_running() &&
-           metrics_.kv_bytes_used + waiting_.front().kv_bytes <= options_.kv_cache_bytes()) {
-      metrics_.kv_bytes_used += waiting_.front().kv_bytes;
+           metrics_.kv_blocks_used + waiting_.front().kv_blocks <= metrics_.kv_blocks_total) {
+      metrics_.kv_blocks_used += waiting_.front().kv_blocks;
+      metrics_.kv_bytes_used = metrics_.kv_blocks_used * block_bytes();
       admitted.push_back(std::move(waiting_.front()));
       waiting_.pop_front();
     }
@@ -252,7 +289,57 @@ class Engine {
         metrics_.max_running_seen = std::max(metrics_.max_running_seen, metrics_.running);
         if (!running.empty()) ++metrics_.steps;
       }
-      for (auto it = running.begin(); it != running.end();) it = step(running, it);
+      if (running.empty()) continue;
+      const auto t = detail::Clock::now();
+      step_all(running);
+      std::lock_guard<std::mutex> lock(mutex_);
+      metrics_.busy_s += detail::seconds_between(t, detail::Clock::now());
+    }
+  }
+
+  // One step of every running request. Those decoding over their KV cache make their calls
+  // together in one forward_batch (the model reads its weights once for all of them); a
+  // prefill, or a recompute without a KV cache, runs on its own. When the batched call throws,
+  // every request in it ends with the error and the others go on.
+  void step_all(std::list<Running>& running) {
+    std::vector<std::list<Running>::iterator> batch;
+    std::vector<ForwardArgs> calls;
+    for (auto it = running.begin(); it != running.end();) {
+      std::optional<ForwardArgs> call;
+      try {
+        call = it->stepper->decode_call();
+      } catch (...) {
+        it = fail(running, it, std::current_exception());
+        continue;
+      }
+      if (!call) {
+        it = step(running, it, [&] { return it->stepper->step(); });
+        continue;
+      }
+      batch.push_back(it++);
+      calls.push_back(std::move(*call));
+    }
+    if (batch.empty()) return;
+    std::vector<const ForwardArgs*> pointers;
+    for (const ForwardArgs& c : calls) pointers.push_back(&c);
+    std::vector<at::Tensor> logits;
+    try {
+      logits = model_.forward_batch(pointers);
+      VLMGEN_CHECK(logits.size() == calls.size(), "forward_batch returned {} logits for {} calls", logits.size(),
+                   calls.size());
+    } catch (...) {
+      const std::exception_ptr error = std::current_exception();
+      for (auto it : batch) fail(running, it, error);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++metrics_.decode_batches;
+      metrics_.max_decode_batch = std::max(metrics_.max_decode_batch, static_cast<int64_t>(batch.size()));
+    }
+    for (size_t i = 0; i < batch.size(); ++i) {
+      auto it = batch[i];
+      step(running, it, [&] { return it->stepper->step_with(calls[i], logits[i]); });
     }
   }
 
@@ -264,7 +351,7 @@ class Engine {
       GenerationResult result;
       result.sequences.resize(w.request.prompts.size());
       for (auto& s : result.sequences) s.finish_reason = FinishReason::kCancelled;
-      end(w.kv_bytes, /*failed=*/false, 0);
+      end(w.kv_blocks, /*failed=*/false, 0);
       w.handle->promise_.set_value(std::move(result));
       return;
     }
@@ -272,7 +359,8 @@ class Engine {
     const bool want_kv = w.config.enable_kv_cache();
     const ModelTraits& traits = model_.traits();
     try {
-      Running r{nullptr, nullptr, w.handle, w.kv_bytes, {}};
+      Running r{nullptr,     nullptr, w.handle,
+                w.kv_blocks, {},      detail::seconds_between(w.submitted, detail::Clock::now())};
       if (options_.prefix_cache_bytes() > 0 && want_kv && traits.supports_kv_cache && w.request.prompts.size() == 1) {
         seed_from_prefix_cache(w, r);
       }
@@ -285,7 +373,7 @@ class Engine {
           options_.encoder_cache_bytes() > 0 ? &encoder_cache_ : nullptr, /*record_images=*/!r.prefix_keys.empty());
       running.push_back(std::move(r));
     } catch (...) {
-      end(w.kv_bytes, /*failed=*/true, 0);
+      end(w.kv_blocks, /*failed=*/true, 0);
       w.handle->promise_.set_exception(std::current_exception());
     }
   }
@@ -304,12 +392,14 @@ class Engine {
     w.request.context = r.context.get();
   }
 
-  // One step of a running request; ends it (result or error) when it is done. The metrics
-  // count a request as ended before its handle is fulfilled.
-  std::list<Running>::iterator step(std::list<Running>& running, std::list<Running>::iterator it) {
+  // One step of a running request (`advance`: the stepper's step, true while more is left);
+  // ends the request (result or error) when it is done. The metrics count a request as ended
+  // before its handle is fulfilled.
+  template <typename Advance>
+  std::list<Running>::iterator step(std::list<Running>& running, std::list<Running>::iterator it, Advance&& advance) {
     std::shared_ptr<RequestHandle> handle = it->handle;
     try {
-      const bool more = it->stepper->step();
+      const bool more = advance();
       if (!it->prefix_keys.empty() && it->stepper->context() != nullptr) {  // the prompt is computed
         prefix_cache_.insert(it->prefix_keys, *it->stepper->context());
         it->prefix_keys.clear();
@@ -317,28 +407,40 @@ class Engine {
       if (more) return std::next(it);
       GenerationResult result = it->stepper->finish();
       const int64_t tokens = result.stats.generated_tokens;
+      if (tokens > 0) {  // from submit: the wait for admission counts
+        std::lock_guard<std::mutex> lock(mutex_);
+        metrics_.time_to_first_token_s_sum += it->queued_s + result.stats.time_to_first_token_s;
+        ++metrics_.first_tokens;
+      }
       const auto next = retire(running, it, /*failed=*/false, tokens);
       handle->promise_.set_value(std::move(result));
       return next;
     } catch (...) {  // this request's error; the others go on
-      const auto next = retire(running, it, /*failed=*/true, 0);
-      handle->promise_.set_exception(std::current_exception());
-      return next;
+      return fail(running, it, std::current_exception());
     }
+  }
+
+  std::list<Running>::iterator fail(std::list<Running>& running, std::list<Running>::iterator it,
+                                    const std::exception_ptr& error) {
+    std::shared_ptr<RequestHandle> handle = it->handle;
+    const auto next = retire(running, it, /*failed=*/true, 0);
+    handle->promise_.set_exception(error);
+    return next;
   }
 
   std::list<Running>::iterator retire(std::list<Running>& running, std::list<Running>::iterator it, bool failed,
                                       int64_t tokens) {
-    end(it->kv_bytes, failed, tokens);
+    end(it->kv_blocks, failed, tokens);
     auto next = running.erase(it);  // frees the request's KV cache
     std::lock_guard<std::mutex> lock(mutex_);
     metrics_.running = static_cast<int64_t>(running.size());
     return next;
   }
 
-  void end(int64_t kv_bytes, bool failed, int64_t tokens) {
+  void end(int64_t kv_blocks, bool failed, int64_t tokens) {
     std::lock_guard<std::mutex> lock(mutex_);
-    metrics_.kv_bytes_used -= kv_bytes;
+    metrics_.kv_blocks_used -= kv_blocks;
+    metrics_.kv_bytes_used = metrics_.kv_blocks_used * block_bytes();
     ++(failed ? metrics_.failed : metrics_.finished);
     metrics_.generated_tokens += tokens;
   }

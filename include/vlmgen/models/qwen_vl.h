@@ -171,6 +171,10 @@ class QwenVl : public CausalVlm {
   /// embed as ordinary tokens. With a context, appends each layer's K/V without committing.
   /// Under tensor parallelism every rank of the group must make the same calls.
   at::Tensor forward(const ForwardArgs& args) override;
+  /// Decode calls of several requests (each with a KV cache, no images, windows of any length)
+  /// in one decoder pass: the linear layers run once over all their tokens, attention per call
+  /// over its own cache. Anything else runs call by call.
+  std::vector<at::Tensor> forward_batch(const std::vector<const ForwardArgs*>& calls) override;
   at::Device device() const override { return lm_.embed_tokens.device(); }
 
   bool can_encode_images() const override { return true; }
@@ -253,13 +257,34 @@ class QwenVl : public CausalVlm {
 
   /// Vision tower over a validated bundle: [sum_i t_i*h_i*w_i / merge^2, image_embedding_width].
   at::Tensor run_vision_tower(const VisionInputs& vision);
-  /// Decoder over embeddings [B, S, hidden]: logits [B, S, vocab] ([B, 1, vocab] for the last
-  /// column only).
+  /// One forward call's rows in a decoder pass: `rows` x `cols` tokens of the hidden stream,
+  /// attending over its own KV cache (or none) with its mask [rows, window_start + cols].
+  struct LmSegment {
+    int64_t rows = 0;
+    int64_t cols = 0;
+    int64_t window_start = 0;
+    InferenceContext* context = nullptr;
+    at::Tensor attention_mask;  // int64, on the model's device
+    bool last_column_only = false;
+  };
+  /// A forward call's inputs, checked and on the model's device: ids [B, S], positions
+  /// [3, B, S], mask [B, window_start + S].
+  struct CheckedWindow {
+    at::Tensor ids;
+    at::Tensor positions;
+    LmSegment segment;
+  };
+  CheckedWindow check_window(const ForwardArgs& args) const;
+  /// Token embeddings [.., hidden] float32 of ids [..] (vocab-parallel under TP).
+  at::Tensor embed(const at::Tensor& ids) const;
+  /// Decoder over embeddings [B, S, hidden] of one segment ([1, T, hidden] of several, their
+  /// rows one after another, with positions [3, 1, T]): logits [rows, cols, vocab] per
+  /// segment ([rows, 1, vocab] for the last column only).
   /// `deepstack` [P, deepstack_count, hidden] is added after layers 0.. at the flat [B * S]
   /// positions `deepstack_rows` (both undefined: none).
-  at::Tensor run_language_model(at::Tensor hidden, const at::Tensor& position_ids, const at::Tensor& attention_mask,
-                                int64_t window_start, InferenceContext* context, bool last_column_only = false,
-                                const at::Tensor& deepstack = {}, const at::Tensor& deepstack_rows = {}) const;
+  std::vector<at::Tensor> run_language_model(at::Tensor hidden, const at::Tensor& position_ids,
+                                             const std::vector<LmSegment>& segments, const at::Tensor& deepstack = {},
+                                             const at::Tensor& deepstack_rows = {}) const;
 
   /// M-RoPE positions with images at `spans`, in real-token indices of each row (`padded`
   /// false) or in padded columns (`padded` true).

@@ -122,38 +122,31 @@ class RequestStepper {
   /// The next forward call and token of every generating row. False once the request is done
   /// (every row finished, max_new_tokens reached, or cancelled); then call finish().
   bool step() {
-    if (done_) return false;
-    if (layout_.max_new == 0) {
-      prefill_only();
-      done_ = true;
-      return false;
-    }
-    if (step_ >= layout_.max_new || !rows_->any_active() || cancelled()) {
-      done_ = true;
-      return false;
-    }
+    if (!more_to_do()) return false;
     const int64_t end = layout_.prompt_len + step_;  // columns holding tokens so far
-    const at::Tensor last = step_ == 0 && context_ != nullptr
-                                ? windows_->prefill(end, request_.cancel)
-                                : windows_->run(context_ != nullptr ? context_->length() : 0, end, step_);
-    if (!last.defined()) {  // cancelled between prefill chunks
-      done_ = true;
-      return false;
+    if (step_ == 0 && context_ != nullptr) {
+      const at::Tensor last = windows_->prefill(end, request_.cancel);
+      if (!last.defined()) {  // cancelled between prefill chunks
+        done_ = true;
+        return false;
+      }
+      return take_token(last);
     }
-    const ModelTraits& traits = model_.traits();
-    std::vector<float>* want_logprobs = config_.return_logprobs() ? &logprobs_ : nullptr;
-    const std::vector<int64_t> chosen =
-        vocab_parallel_ ? sampler_->choose_vocab_parallel(
-                              last, {parallel_.tp_rank() * last.size(1), traits.vocab_size, parallel_.tp_group().get()},
-                              rows_->active(), want_logprobs)
-                        : sampler_->choose(last, rows_->active(), want_logprobs);
-    if (!t_first_) t_first_ = Clock::now();
-    scores_->record_step(last, rows_->active(), result_.sequences);
-    result_.stats.generated_tokens +=
-        rows_->accept(step_, end, chosen, logprobs_, request_.on_token, result_.sequences);
-    ++step_;
-    done_ = step_ >= layout_.max_new || !rows_->any_active();
-    return !done_;
+    const ForwardArgs args = windows_->args_for(context_ != nullptr ? context_->length() : 0, end, step_);
+    return take_token(windows_->accept(args, model_.forward(args)));
+  }
+
+  /// When the next step is one decode window over the KV cache, its forward call, which an
+  /// engine may batch with other requests' (CausalVlm::forward_batch); then step_with(call,
+  /// its logits) completes the step. Otherwise (prefill, a recompute without a KV cache, or
+  /// the request is done) nullopt: call step().
+  std::optional<ForwardArgs> decode_call() {
+    if (context_ == nullptr || step_ == 0 || !more_to_do()) return std::nullopt;
+    return windows_->args_for(context_->length(), layout_.prompt_len + step_, step_);
+  }
+  /// The rest of a step whose forward call (from decode_call) returned `logits`; as step().
+  bool step_with(const ForwardArgs& call, const at::Tensor& logits) {
+    return take_token(windows_->accept(call, logits));
   }
 
   /// The result, once step() returned false. Rows a cancellation stopped end with kCancelled.
@@ -171,6 +164,40 @@ class RequestStepper {
 
  private:
   bool cancelled() const { return request_.cancel != nullptr && request_.cancel->load(); }
+
+  // False (and done) once nothing is left to compute; a prompt-only request computes here.
+  bool more_to_do() {
+    if (done_) return false;
+    if (layout_.max_new == 0) {
+      prefill_only();
+      done_ = true;
+      return false;
+    }
+    if (step_ >= layout_.max_new || !rows_->any_active() || cancelled()) {
+      done_ = true;
+      return false;
+    }
+    return true;
+  }
+
+  // Chooses every active row's token from the last column's logits and moves to the next step.
+  bool take_token(const at::Tensor& last) {
+    const int64_t end = layout_.prompt_len + step_;
+    const ModelTraits& traits = model_.traits();
+    std::vector<float>* want_logprobs = config_.return_logprobs() ? &logprobs_ : nullptr;
+    const std::vector<int64_t> chosen =
+        vocab_parallel_ ? sampler_->choose_vocab_parallel(
+                              last, {parallel_.tp_rank() * last.size(1), traits.vocab_size, parallel_.tp_group().get()},
+                              rows_->active(), want_logprobs)
+                        : sampler_->choose(last, rows_->active(), want_logprobs);
+    if (!t_first_) t_first_ = Clock::now();
+    scores_->record_step(last, rows_->active(), result_.sequences);
+    result_.stats.generated_tokens +=
+        rows_->accept(step_, end, chosen, logprobs_, request_.on_token, result_.sequences);
+    ++step_;
+    done_ = step_ >= layout_.max_new || !rows_->any_active();
+    return !done_;
+  }
 
   // max_new_tokens(0): a caller's context gets the prompt, to continue from later, or the
   // prompt is scored.

@@ -55,7 +55,13 @@ class WindowRunner {
   /// One forward call over [start, end); returns the last column's logits [batch, vocab] (a
   /// rank's block when vocab-parallel).
   at::Tensor run(int64_t start, int64_t end, int64_t step) {
-    const std::vector<int64_t> images = policy_.images_for_window({start, end}, layout_.spans, step);
+    const ForwardArgs args = args_for(start, end, step);
+    return accept(args, model_.forward(args));
+  }
+
+  /// The arguments of the forward call over [start, end): tokens, mask, positions, KV cache and
+  /// the images the replay policy gives the window.
+  ForwardArgs args_for(int64_t start, int64_t end, int64_t step) {
     ForwardArgs args;
     args.input_ids = rows_.device_tokens().narrow(1, start, end - start);
     args.position_ids = positions_.narrow(-1, start, end - start);
@@ -64,14 +70,21 @@ class WindowRunner {
     args.window_start = start;
     args.step = step;
     args.last_column_logits = !config_.full_logits() && !(step == 0 && scores_.wants_prompt_columns());
-    vision_.fill(images, args);
-    at::Tensor logits = model_.forward(args);
+    vision_.fill(policy_.images_for_window({start, end}, layout_.spans, step), args);
+    return args;
+  }
+
+  /// The logits of the call made with `args` (by forward, or forward_batch with other
+  /// requests' calls): checked, the window committed into the KV cache, prompt scores recorded;
+  /// returns the last column's logits as run does.
+  at::Tensor accept(const ForwardArgs& args, const at::Tensor& logits) {
+    const int64_t start = args.window_start, end = start + args.input_ids.size(1);
     // Every column of the window, or only the last when that is all the generator asked for.
     check_window_logits(logits, layout_.batch, end - start, args.last_column_logits, traits_, vocab_parallel_,
                         parallel_.tp_size());
     if (context_ != nullptr) commit(start, end);
     ++result_.stats.forward_calls;
-    if (step == 0) {
+    if (args.step == 0) {
       scores_.record_prompt(logits, start, end, layout_.prompt_len, rows_.tokens(), rows_.mask(), layout_.pads,
                             result_.sequences);
     }

@@ -25,6 +25,7 @@ enum class CallOutcome {
 /// What one forward call received, as ForwardSpy records it.
 struct ForwardCall {
   int64_t index = 0;         ///< 0, 1, 2, ... over the spy's lifetime (until clear())
+  int64_t batch_group = -1;  ///< calls made by one forward_batch share this id (0, 1, ...); -1 for forward
   int64_t step = 0;          ///< ForwardArgs::step
   int64_t window_start = 0;  ///< first column computed
   int64_t window_end = 0;    ///< one past the last column computed
@@ -68,32 +69,11 @@ inline void PrintTo(const ForwardCall& c, std::ostream* os) {
                      fmt::join(c.images, ","), c.outcome == CallOutcome::kThrew ? " threw: " + c.error : "");
 }
 
-/// Wraps any CausalVlm and records every forward call: step, window, whether a KV context was
-/// present, which vision tensors came (with shapes) and which images they carried. Forwards
-/// everything else to the wrapped model, so the generator cannot tell the difference.
-///
-///   vlmgen::testing::ForwardSpy spy(model);
-///   vlmgen::Generator(spy).generate({{prompt}, vision}, config.enable_kv_cache(false));
-///   for (const auto& call : spy.calls()) EXPECT_TRUE(call.has_all_vision());
-///
-/// For gmock, set an observer: spy.on_call([&](const ForwardCall& c) { mock.Seen(c); });
-class ForwardSpy : public CausalVlm {
+/// A CausalVlm that hands every call to another model: derive from it and override what you
+/// want to watch (ForwardSpy records the forward calls; a benchmark can time them).
+class ForwardingVlm : public CausalVlm {
  public:
-  explicit ForwardSpy(CausalVlm& inner) : inner_(inner) {}
-
-  /// Also keep copies of input_ids, the grid and the logits of every call. Default off.
-  ForwardSpy& record_tensors(bool on) {
-    record_tensors_ = on;
-    return *this;
-  }
-  /// Called after every forward call with what was recorded, also when it threw.
-  ForwardSpy& on_call(std::function<void(const ForwardCall&)> observer) {
-    observer_ = std::move(observer);
-    return *this;
-  }
-
-  const std::vector<ForwardCall>& calls() const { return calls_; }
-  void clear() { calls_.clear(); }
+  explicit ForwardingVlm(CausalVlm& inner) : inner_(inner) {}
 
   const ModelTraits& traits() const override { return inner_.traits(); }
   at::Device device() const override { return inner_.device(); }
@@ -111,9 +91,80 @@ class ForwardSpy : public CausalVlm {
   bool can_encode_images() const override { return inner_.can_encode_images(); }
   at::Tensor encode_images(const VisionInputs& vision) override { return inner_.encode_images(vision); }
 
+  at::Tensor forward(const ForwardArgs& args) override { return inner_.forward(args); }
+  std::vector<at::Tensor> forward_batch(const std::vector<const ForwardArgs*>& calls) override {
+    return inner_.forward_batch(calls);
+  }
+
+ protected:
+  CausalVlm& inner_;
+};
+
+/// Wraps any CausalVlm and records every forward call: step, window, whether a KV context was
+/// present, which vision tensors came (with shapes) and which images they carried. Forwards
+/// everything else to the wrapped model, so the generator cannot tell the difference.
+///
+///   vlmgen::testing::ForwardSpy spy(model);
+///   vlmgen::Generator(spy).generate({{prompt}, vision}, config.enable_kv_cache(false));
+///   for (const auto& call : spy.calls()) EXPECT_TRUE(call.has_all_vision());
+///
+/// For gmock, set an observer: spy.on_call([&](const ForwardCall& c) { mock.Seen(c); });
+class ForwardSpy : public ForwardingVlm {
+ public:
+  explicit ForwardSpy(CausalVlm& inner) : ForwardingVlm(inner) {}
+
+  /// Also keep copies of input_ids, the grid and the logits of every call. Default off.
+  ForwardSpy& record_tensors(bool on) {
+    record_tensors_ = on;
+    return *this;
+  }
+  /// Called after every forward call with what was recorded, also when it threw.
+  ForwardSpy& on_call(std::function<void(const ForwardCall&)> observer) {
+    observer_ = std::move(observer);
+    return *this;
+  }
+
+  const std::vector<ForwardCall>& calls() const { return calls_; }
+  void clear() { calls_.clear(); }
+  /// forward_batch calls made over the spy's lifetime.
+  int64_t batches() const { return next_group_; }
+
   at::Tensor forward(const ForwardArgs& args) override {
+    const size_t mine = record(args, -1);
+    at::Tensor logits;
+    try {
+      logits = inner_.forward(args);
+    } catch (...) {
+      threw({mine}, std::current_exception());
+      throw;
+    }
+    returned(mine, logits);
+    return logits;
+  }
+
+  /// Records each call (they share a batch_group) and hands the batch to the wrapped model's
+  /// forward_batch, so a model that fuses them still does.
+  std::vector<at::Tensor> forward_batch(const std::vector<const ForwardArgs*>& args) override {
+    const int64_t group = next_group_++;
+    std::vector<size_t> mine;
+    for (const ForwardArgs* a : args) mine.push_back(record(*a, group));
+    std::vector<at::Tensor> logits;
+    try {
+      logits = inner_.forward_batch(args);
+    } catch (...) {
+      threw(mine, std::current_exception());
+      throw;
+    }
+    for (size_t i = 0; i < mine.size() && i < logits.size(); ++i) returned(mine[i], logits[i]);
+    return logits;
+  }
+
+ private:
+  // Recorded before forwarding: a call that throws is the one a test most wants to see.
+  size_t record(const ForwardArgs& args, int64_t group) {
     ForwardCall call;
     call.index = next_index_++;
+    call.batch_group = group;
     call.step = args.step;
     call.window_start = args.window_start;
     call.window_end = args.window_start + (args.input_ids.defined() ? args.input_ids.size(1) : 0);
@@ -133,35 +184,34 @@ class ForwardSpy : public CausalVlm {
       call.input_ids = args.input_ids.to(at::kCPU).clone();
       if (args.vision.image_grid_thw.defined()) call.image_grid_thw = args.vision.image_grid_thw.to(at::kCPU).clone();
     }
-    // Recorded before forwarding: a call that throws is the one a test most wants to see.
     calls_.push_back(std::move(call));
-    const size_t mine = calls_.size() - 1;
-    at::Tensor logits;
-    try {
-      logits = inner_.forward(args);
-    } catch (const std::exception& e) {
-      calls_[mine].outcome = CallOutcome::kThrew;
-      calls_[mine].error = e.what();
-      if (observer_) observer_(calls_[mine]);
-      throw;
-    } catch (...) {
-      calls_[mine].outcome = CallOutcome::kThrew;
-      calls_[mine].error = "a non-standard exception";
-      if (observer_) observer_(calls_[mine]);
-      throw;
-    }
+    return calls_.size() - 1;
+  }
+  void returned(size_t mine, const at::Tensor& logits) {
     calls_[mine].outcome = CallOutcome::kReturned;
     if (record_tensors_) calls_[mine].logits = logits.detach().to(at::kCPU).clone();
     if (observer_) observer_(calls_[mine]);
-    return logits;
+  }
+  void threw(const std::vector<size_t>& mine, const std::exception_ptr& error) {
+    std::string message = "a non-standard exception";
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      message = e.what();
+    } catch (...) {
+    }
+    for (size_t i : mine) {
+      calls_[i].outcome = CallOutcome::kThrew;
+      calls_[i].error = message;
+      if (observer_) observer_(calls_[i]);
+    }
   }
 
- private:
-  CausalVlm& inner_;
   bool record_tensors_ = false;
   std::function<void(const ForwardCall&)> observer_;
   std::vector<ForwardCall> calls_;
   int64_t next_index_ = 0;
+  int64_t next_group_ = 0;
 };
 
 }  // namespace vlmgen::testing
