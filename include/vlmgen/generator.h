@@ -109,9 +109,7 @@ inline KvCacheDecision Generator::decide_cache(const GenerateRequest& request, c
   if (request.context != nullptr && !kv.use_kv_cache) {
     log(LogLevel::kWarning, "the request's context is neither read nor extended: {}", kv.reason);
   }
-  VLMGEN_CHECK(!(kv.use_kv_cache && config.replay_mode() == ReplayMode::kAlways && !layout.spans.empty()),
-               "replay mode 'always' sends every image to every call, which a KV-cache decode step (no placeholders "
-               "in its window) cannot take; use kSpanAware, or enable_kv_cache(false)");
+  detail::check_replay_with_cache(kv.use_kv_cache, config.replay_mode(), layout);
   return kv;
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "vlmgen/distributed/communicator.h"
 #include "vlmgen/error.h"
 #include "vlmgen/inference_context.h"
+#include "vlmgen/kernels/cpu.h"
 
 namespace vlmgen {
 namespace {
@@ -484,20 +486,41 @@ std::vector<at::Tensor> QwenVl::forward_batch(const std::vector<const ForwardArg
   bool fuse = calls.size() > 1;
   for (const ForwardArgs* call : calls) {
     fuse = fuse && call->context != nullptr && call->vision.empty() && !call->image_embeddings.defined() &&
-           call->images.empty() && !(sequence_split && call->input_ids.defined() && call->input_ids.size(-1) > 1);
+           call->images.empty() && call->input_ids.defined() && !(sequence_split && call->input_ids.size(-1) > 1);
   }
   if (!fuse) return CausalVlm::forward_batch(calls);
-  std::vector<at::Tensor> ids, positions;
-  std::vector<LmSegment> segments;
-  for (const ForwardArgs* call : calls) {
-    CheckedWindow w = check_window(*call);
-    ids.push_back(w.ids.reshape({-1}));
-    positions.push_back(w.positions.reshape({3, 1, -1}));
-    segments.push_back(std::move(w.segment));
+  // On the CPU kernels a pass takes at most as many tokens as the few-row linear does (16, or 64
+  // with 16-bit or FP8 weights), so every call's logits come from the same kernel as when it
+  // runs alone, and a request's tokens do not depend on what it was batched with.
+  const bool narrow = weights_dtype() != at::kFloat || keeps_fp8();
+  const int64_t cap = device().is_cpu() && kernels::enabled()
+                          ? (narrow ? kernels::kMaxFastRowsNarrow : kernels::kMaxFastRows)
+                          : std::numeric_limits<int64_t>::max();
+  std::vector<at::Tensor> out(calls.size());
+  for (size_t first = 0; first < calls.size();) {
+    size_t last = first + 1;
+    int64_t tokens = calls[first]->input_ids.numel();
+    while (last < calls.size() && tokens + calls[last]->input_ids.numel() <= cap)
+      tokens += calls[last++]->input_ids.numel();
+    if (last - first == 1) {
+      out[first] = forward(*calls[first]);
+    } else {
+      std::vector<at::Tensor> ids, positions;
+      std::vector<LmSegment> segments;
+      for (size_t i = first; i < last; ++i) {
+        CheckedWindow w = check_window(*calls[i]);
+        ids.push_back(w.ids.reshape({-1}));
+        positions.push_back(w.positions.reshape({3, 1, -1}));
+        segments.push_back(std::move(w.segment));
+      }
+      // The calls' tokens in one [1, T] stream, the rows of each call one after another.
+      const at::Tensor hidden = embed(at::cat(ids).unsqueeze(0));
+      std::vector<at::Tensor> logits = run_language_model(hidden, at::cat(positions, 2), segments);
+      for (size_t i = first; i < last; ++i) out[i] = std::move(logits[i - first]);
+    }
+    first = last;
   }
-  // Every call's tokens in one [1, T] stream, the rows of each call one after another.
-  const at::Tensor hidden = embed(at::cat(ids).unsqueeze(0));
-  return run_language_model(hidden, at::cat(positions, 2), segments);
+  return out;
 }
 
 namespace {

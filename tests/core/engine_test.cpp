@@ -226,6 +226,92 @@ TEST(Engine, AModelErrorEndsOnlyItsRequestAndBadInputEndsOnlyItsOwn) {
   EXPECT_EQ(m.kv_bytes_used, 0);
 }
 
+// Throws on a decode window at column 7; otherwise FakeVlm.
+class ThrowsAtColumnSevenVlm : public testing::FakeVlm {
+ public:
+  at::Tensor forward(const ForwardArgs& args) override {
+    if (args.step > 0 && args.window_start == 7) throw std::runtime_error("column 7");
+    return FakeVlm::forward(args);
+  }
+};
+
+TEST(Engine, AFailingCallInAFusedDecodeStepEndsOnlyItsOwnRequest) {
+  ThrowsAtColumnSevenVlm model;
+  const std::vector<int64_t> longer(20, 3);
+  const auto config = GenerationConfig().max_new_tokens(8);
+  const GenerationResult expected = Generator(model).generate({{longer}}, config);
+  testing::ForwardSpy spy(model);
+  Engine engine(spy);
+  // Both decode together: the second request's first token waits until the first is in.
+  std::atomic<bool> both_in{false};
+  GenerateRequest survivor({longer});
+  survivor.on_token = [&both_in](const TokenEvent&) {
+    while (!both_in.load()) std::this_thread::yield();
+    return true;
+  };
+  auto good = engine.submit(survivor, config);
+  auto failing = engine.submit(GenerateRequest({{1, 2, 3, 4, 5, 6}}), config);  // decodes at column 7 on step 2
+  both_in = true;
+  EXPECT_THROW(failing->wait(), std::runtime_error);
+  EXPECT_EQ(good->wait().sequences[0].tokens, expected.sequences[0].tokens);
+  bool batch_threw = false;
+  for (const testing::ForwardCall& call : spy.calls()) {
+    batch_threw = batch_threw || (call.batch_group >= 0 && call.outcome == testing::CallOutcome::kThrew);
+  }
+  EXPECT_TRUE(batch_threw);  // the failure came from a fused step
+  EXPECT_EQ(engine.metrics().failed, 1);
+  EXPECT_EQ(engine.metrics().kv_blocks_used, 0);
+}
+
+TEST(Engine, ALongPromptIsComputedAFewColumnsPerStepWhileAnotherRequestDecodes) {
+  testing::FakeVlm model;
+  const int64_t image = *model.traits().image_token_id;
+  std::vector<int64_t> before, after;
+  for (int k = 0; k < 14; ++k) before.push_back((k * 7) % 60);
+  for (int k = 0; k < 40; ++k) after.push_back((k * 11) % 60);
+  GenerateRequest long_request({test::prompt_with_image(before, image, 12, after)}, test::make_images({{1, 4, 12}}, 3));
+  const int64_t prompt = static_cast<int64_t>(long_request.prompts[0].size());  // 66 columns; image at [14, 26)
+  GenerateRequest short_request({{1, 2, 3}});
+  const auto long_config = GenerationConfig().max_new_tokens(4);
+  const auto short_config = GenerationConfig().max_new_tokens(40);
+  const GenerationResult long_alone = Generator(model).generate(long_request, long_config);
+  const GenerationResult short_alone = Generator(model).generate(short_request, short_config);
+
+  testing::ForwardSpy spy(model);
+  std::shared_ptr<RequestHandle> long_handle, short_handle;
+  {
+    Engine engine(spy, EngineOptions().prefill_columns_per_step(10));
+    // The short request decodes while the long one arrives: its first token waits for it.
+    std::atomic<bool> long_in{false};
+    short_request.on_token = [&long_in](const TokenEvent&) {
+      while (!long_in.load()) std::this_thread::yield();
+      return true;
+    };
+    short_handle = engine.submit(short_request, short_config);
+    long_handle = engine.submit(long_request, long_config);
+    long_in = true;
+    EXPECT_EQ(long_handle->wait().sequences[0].tokens, long_alone.sequences[0].tokens);
+    EXPECT_EQ(short_handle->wait().sequences[0].tokens, short_alone.sequences[0].tokens);
+  }
+  // The long prompt's windows, 10 columns a step: [0, 10), then [10, 14) (a chunk never ends
+  // inside the image), then [14, 26) (the image is longer than the budget: the chunk takes all
+  // of it), then on in tens; the short request's decode calls come between them.
+  std::vector<std::pair<int64_t, int64_t>> windows;
+  int64_t decodes_between = 0;
+  for (const testing::ForwardCall& call : spy.calls()) {
+    if (call.step == 0 && call.window_end > 3) {
+      windows.emplace_back(call.window_start, call.window_end);
+      EXPECT_EQ(call.has_any_vision(), call.window_start < 26 && call.window_end > 14) << call.window_start;
+    } else if (call.step > 0 && !windows.empty() && windows.back().second < prompt) {
+      ++decodes_between;
+    }
+  }
+  const std::vector<std::pair<int64_t, int64_t>> want = {{0, 10},  {10, 14}, {14, 26}, {26, 36},
+                                                         {36, 46}, {46, 56}, {56, 66}};
+  EXPECT_EQ(windows, want);
+  EXPECT_GE(decodes_between, 4);  // the short request kept decoding during the long prefill
+}
+
 TEST(Engine, APictureSeenBeforeIsNotEncodedAgainAndADifferentOneIs) {
   testing::FakeVlmOptions options;
   options.can_encode_images = true;

@@ -14,6 +14,7 @@
 #include "qwen_test_util.h"
 #include "vlmgen/engine/engine.h"
 #include "vlmgen/generator.h"
+#include "vlmgen/kernels/cpu.h"
 #include "vlmgen/models/qwen_vl.h"
 #include "vlmgen/testing/forward_spy.h"
 
@@ -80,6 +81,32 @@ TEST_P(ForwardBatchTest, EachCallOfAFusedBatchGetsTheLogitsOfItsOwnForward) {
   // The calls' logits differ from one another, so a mixed-up segment could not pass.
   EXPECT_GT(max_abs_diff(alone[0].select(1, 0), alone[3].select(1, 0)), 1e-3);
   EXPECT_EQ(a->length(), 5);  // nothing committed
+}
+
+TEST_P(ForwardBatchTest, TwentyRequestsGetBitIdenticalLogitsToTheirOwnForwardCalls) {
+  // More tokens than the CPU's few-row linear takes at once (16): the batch is cut into passes
+  // that stay on it, so no call's logits depend on what it was batched with.
+  QwenVl model(config(), 7);
+  std::vector<std::unique_ptr<InferenceContext>> contexts;
+  std::vector<ForwardArgs> calls;
+  for (int64_t i = 0; i < 20; ++i) {
+    std::vector<int64_t> prompt;
+    for (int64_t k = 0; k < 2 + i % 5; ++k) prompt.push_back((i * 7 + k * 3) % 80);
+    contexts.push_back(cached(model, {prompt}));
+  }
+  for (int64_t i = 0; i < 20; ++i) calls.push_back(window_after(*contexts[static_cast<size_t>(i)], {{i + 1}}, true));
+  std::vector<const ForwardArgs*> pointers;
+  for (const ForwardArgs& call : calls) pointers.push_back(&call);
+  const std::vector<at::Tensor> fused = model.forward_batch(pointers);
+  ASSERT_EQ(fused.size(), calls.size());
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const at::Tensor alone = model.forward(calls[i]);
+    if (kernels::enabled()) {
+      EXPECT_TRUE(at::equal(fused[i], alone)) << "call " << i;
+    } else {  // ATen's products (VLMGEN_CPU_ISA=aten) sum in an order that depends on the row count
+      EXPECT_LE(max_abs_diff(fused[i], alone), 1e-5) << "call " << i;
+    }
+  }
 }
 
 TEST_P(ForwardBatchTest, ACallWithImagesOrWithoutACacheRunsOnItsOwnWithTheSameLogits) {

@@ -127,6 +127,29 @@ TEST(CpuKernels, Fp8LinearAndWideningMatchTheFormatDefinitionOnEveryPathAndScale
   }
 }
 
+TEST(CpuKernels, ManyRowsWiden16BitAndFp8WeightsInBlocksThatCoverTheWholeMatrix) {
+  // 4100 x 300 weights: 3495 output rows per widened block of 2^20 floats, so a full block and
+  // a partial one; 80 rows go to ATen's GEMM, each block into its own columns of the output.
+  at::manual_seed(9);
+  const int64_t out = 4100, in = 300, rows = 80;
+  const at::Tensor x = at::randn({2, rows / 2, in});
+  const at::Tensor bias = at::randn({out});
+  auto check = [&](const at::Tensor& got, const at::Tensor& wide, const char* what) {
+    SCOPED_TRACE(what);
+    const at::Tensor flat = x.reshape({rows, in}).to(at::kDouble);
+    const at::Tensor want = at::linear(flat, wide, bias.to(at::kDouble));
+    const at::Tensor term_scale = at::matmul(flat.abs(), wide.abs().t()) + bias.abs().to(at::kDouble);
+    ASSERT_EQ(got.sizes(), (std::vector<int64_t>{2, rows / 2, out}));
+    EXPECT_LT(relative_error(got.reshape({rows, out}), want, term_scale), 4e-6 * std::sqrt(static_cast<double>(in)));
+  };
+  for (at::ScalarType wt : {at::kBFloat16, at::kHalf}) {
+    const at::Tensor weight = at::randn({out, in}).to(wt);
+    check(kernels::linear(x, weight, bias), weight.to(at::kDouble), at::toString(wt));
+  }
+  auto [bytes, q] = random_fp8(out, in, 128, 128, false);
+  check(kernels::linear(x, bytes, bias, q), fp8_reference(bytes, q), "e4m3, 128 x 128 blocks");
+}
+
 TEST(CpuKernels, Fp8ScalesThatDoNotFitTheWeightAreRefused) {
   auto [bytes, q] = random_fp8(40, 64, 16, 32, false);
   at::Tensor x = at::randn({1, 64});

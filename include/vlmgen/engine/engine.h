@@ -85,6 +85,15 @@ class EngineOptions {
     return *this;
   }
   int64_t kv_block_columns() const { return kv_block_columns_; }
+  /// Prompt columns a request computes per step at most (0 = its whole prompt in one step), so a
+  /// long prompt does not stall the requests that are decoding. A chunk never ends inside an
+  /// image: it ends before the image, or, for an image longer than the budget, takes all of it.
+  /// Default 512.
+  EngineOptions& prefill_columns_per_step(int64_t value) {
+    prefill_columns_per_step_ = value;
+    return *this;
+  }
+  int64_t prefill_columns_per_step() const { return prefill_columns_per_step_; }
 
  private:
   int64_t max_running_ = 16;
@@ -93,6 +102,7 @@ class EngineOptions {
   int64_t prefix_cache_bytes_ = int64_t{256} << 20;
   int64_t prefix_block_columns_ = 16;
   int64_t kv_block_columns_ = 16;
+  int64_t prefill_columns_per_step_ = 512;
 };
 
 /// What the engine is doing, read at any time from any thread.
@@ -164,6 +174,8 @@ class Engine {
                  options.encoder_cache_bytes());
     VLMGEN_CHECK(options.kv_cache_bytes() > 0, "kv_cache_bytes must be > 0, got {}", options.kv_cache_bytes());
     VLMGEN_CHECK(options.kv_block_columns() >= 1, "kv_block_columns must be >= 1, got {}", options.kv_block_columns());
+    VLMGEN_CHECK(options.prefill_columns_per_step() >= 0, "prefill_columns_per_step must be >= 0, got {}",
+                 options.prefill_columns_per_step());
     metrics_.kv_bytes_budget = options.kv_cache_bytes();
     metrics_.kv_blocks_total = block_bytes() > 0 ? options.kv_cache_bytes() / block_bytes() : 0;
     loop_ = std::thread([this] { run(); });
@@ -234,7 +246,7 @@ class Engine {
     std::shared_ptr<RequestHandle> handle;
     int64_t kv_blocks;
     std::vector<ContentHash> prefix_keys;  // blocks to cache once the prompt is computed
-    double queued_s = 0;                   // from submit to admission
+    double queued_s = 0;                   // from submit to the stepper's start
   };
 
   static int64_t columns_needed(const GenerateRequest& request, const GenerationConfig& config) {
@@ -299,8 +311,9 @@ class Engine {
 
   // One step of every running request. Those decoding over their KV cache make their calls
   // together in one forward_batch (the model reads its weights once for all of them); a
-  // prefill, or a recompute without a KV cache, runs on its own. When the batched call throws,
-  // every request in it ends with the error and the others go on.
+  // prefill chunk, or a recompute without a KV cache, runs on its own. When the batched call
+  // throws, its calls run again one by one, and a request whose own call throws ends with the
+  // error while the others go on.
   void step_all(std::list<Running>& running) {
     std::vector<std::list<Running>::iterator> batch;
     std::vector<ForwardArgs> calls;
@@ -328,8 +341,16 @@ class Engine {
       VLMGEN_CHECK(logits.size() == calls.size(), "forward_batch returned {} logits for {} calls", logits.size(),
                    calls.size());
     } catch (...) {
-      const std::exception_ptr error = std::current_exception();
-      for (auto it : batch) fail(running, it, error);
+      if (batch.size() == 1) {
+        fail(running, batch[0], std::current_exception());
+        return;
+      }
+      // A call failed the batch: the calls run one by one instead (nothing was committed), so
+      // only the requests whose own call fails end with the error.
+      for (size_t i = 0; i < batch.size(); ++i) {
+        auto it = batch[i];
+        step(running, it, [&] { return it->stepper->step_with(calls[i], model_.forward(calls[i])); });
+      }
       return;
     }
     {
@@ -357,20 +378,26 @@ class Engine {
     }
     w.request.cancel = &w.handle->cancel_;
     const bool want_kv = w.config.enable_kv_cache();
+    const ReplayMode replay = w.config.replay_mode();
     const ModelTraits& traits = model_.traits();
     try {
-      Running r{nullptr,     nullptr, w.handle,
-                w.kv_blocks, {},      detail::seconds_between(w.submitted, detail::Clock::now())};
+      Running r{nullptr, nullptr, w.handle, w.kv_blocks, {}, 0.0};
       if (options_.prefix_cache_bytes() > 0 && want_kv && traits.supports_kv_cache && w.request.prompts.size() == 1) {
         seed_from_prefix_cache(w, r);
       }
+      // The stepper's clock starts now: the time before it (queue, prefix lookup) is added to
+      // its time to first token.
+      r.queued_s = detail::seconds_between(w.submitted, detail::Clock::now());
       r.stepper = std::make_unique<detail::RequestStepper>(
           model_, parallel_, std::move(w.request), std::move(w.config),
-          [&](const detail::RequestLayout&) {
-            return decide_kv_cache(want_kv, traits.supports_kv_cache, traits.kv_cache_under_sequence_parallel,
-                                   parallel_);
+          [&](const detail::RequestLayout& layout) {
+            const KvCacheDecision kv =
+                decide_kv_cache(want_kv, traits.supports_kv_cache, traits.kv_cache_under_sequence_parallel, parallel_);
+            detail::check_replay_with_cache(kv.use_kv_cache, replay, layout);
+            return kv;
           },
           options_.encoder_cache_bytes() > 0 ? &encoder_cache_ : nullptr, /*record_images=*/!r.prefix_keys.empty());
+      r.stepper->set_prefill_columns_per_step(options_.prefill_columns_per_step());
       running.push_back(std::move(r));
     } catch (...) {
       end(w.kv_blocks, /*failed=*/true, 0);
@@ -398,26 +425,27 @@ class Engine {
   template <typename Advance>
   std::list<Running>::iterator step(std::list<Running>& running, std::list<Running>::iterator it, Advance&& advance) {
     std::shared_ptr<RequestHandle> handle = it->handle;
+    GenerationResult result;
     try {
       const bool more = advance();
-      if (!it->prefix_keys.empty() && it->stepper->context() != nullptr) {  // the prompt is computed
+      if (!it->prefix_keys.empty() && it->stepper->prompt_cached()) {
         prefix_cache_.insert(it->prefix_keys, *it->stepper->context());
         it->prefix_keys.clear();
       }
       if (more) return std::next(it);
-      GenerationResult result = it->stepper->finish();
-      const int64_t tokens = result.stats.generated_tokens;
-      if (tokens > 0) {  // from submit: the wait for admission counts
-        std::lock_guard<std::mutex> lock(mutex_);
-        metrics_.time_to_first_token_s_sum += it->queued_s + result.stats.time_to_first_token_s;
-        ++metrics_.first_tokens;
-      }
-      const auto next = retire(running, it, /*failed=*/false, tokens);
-      handle->promise_.set_value(std::move(result));
-      return next;
+      result = it->stepper->finish();
     } catch (...) {  // this request's error; the others go on
       return fail(running, it, std::current_exception());
     }
+    const int64_t tokens = result.stats.generated_tokens;
+    if (tokens > 0) {  // from submit: the wait for admission counts
+      std::lock_guard<std::mutex> lock(mutex_);
+      metrics_.time_to_first_token_s_sum += it->queued_s + result.stats.time_to_first_token_s;
+      ++metrics_.first_tokens;
+    }
+    const auto next = retire(running, it, /*failed=*/false, tokens);
+    handle->promise_.set_value(std::move(result));
+    return next;
   }
 
   std::list<Running>::iterator fail(std::list<Running>& running, std::list<Running>::iterator it,

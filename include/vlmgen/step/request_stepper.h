@@ -125,12 +125,13 @@ class RequestStepper {
     if (!more_to_do()) return false;
     const int64_t end = layout_.prompt_len + step_;  // columns holding tokens so far
     if (step_ == 0 && context_ != nullptr) {
-      const at::Tensor last = windows_->prefill(end, request_.cancel);
-      if (!last.defined()) {  // cancelled between prefill chunks
+      const at::Tensor last = windows_->prefill(end, request_.cancel, prefill_columns_per_step_);
+      if (last.defined()) return take_token(last);
+      if (cancelled()) {  // between prefill chunks
         done_ = true;
         return false;
       }
-      return take_token(last);
+      return true;  // the prompt goes on at the next step
     }
     const ForwardArgs args = windows_->args_for(context_ != nullptr ? context_->length() : 0, end, step_);
     return take_token(windows_->accept(args, model_.forward(args)));
@@ -157,6 +158,12 @@ class RequestStepper {
     finish_stats(result_, t_start_, t_first_);
     return std::move(result_);
   }
+
+  /// Prompt columns computed per step() at most (0, the default: the whole prompt in the first
+  /// step). A chunk never ends inside an image (WindowRunner::prefill).
+  void set_prefill_columns_per_step(int64_t columns) { prefill_columns_per_step_ = std::max<int64_t>(columns, 0); }
+  /// Whether the prompt's columns are all in the KV cache (false without one).
+  bool prompt_cached() const { return context_ != nullptr && context_->length() >= layout_.prompt_len; }
 
   const RequestLayout& layout() const { return layout_; }
   /// The KV cache the request uses (the caller's or its own), or null without one.
@@ -228,6 +235,7 @@ class RequestStepper {
   std::unique_ptr<WindowRunner> windows_;
   std::unique_ptr<Sampler> sampler_;
   int64_t step_ = 0;
+  int64_t prefill_columns_per_step_ = 0;
   bool done_ = false;
   std::optional<Clock::time_point> t_first_;
   std::vector<float> logprobs_;

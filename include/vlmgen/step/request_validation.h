@@ -143,6 +143,14 @@ struct RequestLayout {
 /// Lays out a request that passed validate_request: pads, the image spans (placeholder counts
 /// checked against the bundle, spans framed by the vision tokens), and the column budget
 /// against the model's maximum sequence length.
+/// Replay mode 'always' sends every image to every call, which a decode step over a KV cache
+/// (no placeholders in its window) cannot take: refused before any forward call.
+inline void check_replay_with_cache(bool use_kv_cache, ReplayMode mode, const RequestLayout& layout) {
+  VLMGEN_CHECK(!(use_kv_cache && mode == ReplayMode::kAlways && !layout.spans.empty()),
+               "replay mode 'always' sends every image to every call, which a KV-cache decode step (no placeholders "
+               "in its window) cannot take; use kSpanAware, or enable_kv_cache(false)");
+}
+
 inline RequestLayout lay_out_request(const GenerateRequest& request, const GenerationConfig& config, CausalVlm& model) {
   const ModelTraits& traits = model.traits();
   RequestLayout l;

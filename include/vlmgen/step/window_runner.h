@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <vector>
@@ -94,14 +95,19 @@ class WindowRunner {
 
   /// The prompt's columns [context length, end) into the context, in chunks of at most
   /// prefill_chunk_size that never split an image; the last column's logits, or an undefined
-  /// tensor when `cancel` was set between chunks.
-  at::Tensor prefill(int64_t end, const std::atomic<bool>* cancel) {
+  /// tensor when `cancel` was set between chunks. With `max_columns` > 0, stops after that many
+  /// columns (or, when an image at the first column is longer, at the image's end) and returns
+  /// an undefined tensor when the prompt is not complete: the next call goes on.
+  at::Tensor prefill(int64_t end, const std::atomic<bool>* cancel, int64_t max_columns = 0) {
     const int64_t first = context_->length();
-    const int64_t chunk = config_.prefill_chunk_size() > 0 ? config_.prefill_chunk_size() : end - first;
+    int64_t chunk = config_.prefill_chunk_size() > 0 ? config_.prefill_chunk_size() : end - first;
+    if (max_columns > 0) chunk = std::min(chunk, max_columns);
+    // Sums that could pass INT64_MAX (a chunk size near it) are compared as differences.
+    const int64_t stop = max_columns > 0 && max_columns < end - first ? first + max_columns : end;
     at::Tensor last;
     int64_t start = first;
-    while (start < end && !(start > first && cancel != nullptr && cancel->load())) {
-      const int64_t chunk_end = policy_.chunk_end(start, end - start <= chunk ? end : start + chunk, layout_.spans);
+    while (start < stop && !(start > first && cancel != nullptr && cancel->load())) {
+      const int64_t chunk_end = policy_.chunk_end(start, stop - start <= chunk ? stop : start + chunk, layout_.spans);
       last = run(start, chunk_end, 0);
       start = chunk_end;
     }

@@ -70,7 +70,9 @@ inline void PrintTo(const ForwardCall& c, std::ostream* os) {
 }
 
 /// A CausalVlm that hands every call to another model: derive from it and override what you
-/// want to watch (ForwardSpy records the forward calls; a benchmark can time them).
+/// want to watch (ForwardSpy records the forward calls; a benchmark can time them). forward_batch
+/// goes to the wrapped model's forward_batch, not to this forward: override both to see every
+/// forward call (an engine's decode steps come through forward_batch).
 class ForwardingVlm : public CausalVlm {
  public:
   explicit ForwardingVlm(CausalVlm& inner) : inner_(inner) {}
