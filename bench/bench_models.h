@@ -6,12 +6,14 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "vlmgen/kernels/cpu.h"
 #include "vlmgen/models/qwen2_vl.h"
+#include "vlmgen/testing/forward_spy.h"
 
 namespace vlmgen::bench {
 
@@ -113,6 +115,45 @@ inline bool set_all_threads(int threads) {
   if (openblas != nullptr) openblas(threads);
   return openblas != nullptr;
 }
+
+using Clock = std::chrono::steady_clock;
+
+inline double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+/// Wraps a model and adds up the wall time of its image encoding and forward calls (forward and
+/// forward_batch, each one's time also listed).
+class TimedModel : public testing::ForwardingVlm {
+ private:
+  template <typename F>
+  auto timed(F&& f, bool listed) {
+    const auto t = Clock::now();
+    auto out = f();
+    const double s = seconds_since(t);
+    model_s_ += s;
+    if (listed) forward_s_.push_back(s);
+    return out;
+  }
+  double model_s_ = 0;
+  std::vector<double> forward_s_;
+
+ public:
+  explicit TimedModel(CausalVlm& inner) : ForwardingVlm(inner) {}
+  at::Tensor encode_images(const VisionInputs& v) override {
+    return timed([&] { return inner_.encode_images(v); }, false);
+  }
+  at::Tensor forward(const ForwardArgs& args) override {
+    return timed([&] { return inner_.forward(args); }, true);
+  }
+  std::vector<at::Tensor> forward_batch(const std::vector<const ForwardArgs*>& calls) override {
+    return timed([&] { return inner_.forward_batch(calls); }, true);
+  }
+  double model_seconds() const { return model_s_; }
+  const std::vector<double>& forward_seconds() const { return forward_s_; }
+  void reset() {
+    model_s_ = 0;
+    forward_s_.clear();
+  }
+};
 
 /// The middle value (the upper one of an even count); 0 for none.
 inline double median(std::vector<double> v) {

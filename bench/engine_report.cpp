@@ -22,38 +22,9 @@
 #include "bench_models.h"
 #include "vlmgen/engine/engine.h"
 #include "vlmgen/models/qwen2_vl.h"
-#include "vlmgen/testing/forward_spy.h"
 
 namespace vlmgen::bench {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-/// The model, with the time spent in its forward calls and image encoding summed up.
-class TimedModel : public testing::ForwardingVlm {
- public:
-  explicit TimedModel(CausalVlm& inner) : ForwardingVlm(inner) {}
-  template <typename F>
-  auto timed(F&& f) {
-    const auto t = Clock::now();
-    auto out = f();
-    seconds_ += std::chrono::duration<double>(Clock::now() - t).count();
-    return out;
-  }
-  at::Tensor encode_images(const VisionInputs& vision) override {
-    return timed([&] { return inner_.encode_images(vision); });
-  }
-  at::Tensor forward(const ForwardArgs& args) override {
-    return timed([&] { return inner_.forward(args); });
-  }
-  std::vector<at::Tensor> forward_batch(const std::vector<const ForwardArgs*>& calls) override {
-    return timed([&] { return inner_.forward_batch(calls); });
-  }
-  double seconds() const { return seconds_; }
-
- private:
-  double seconds_ = 0;  // written by the engine's thread, read after it is joined
-};
 
 struct StreamsRun {
   double decode_tokens_per_s = 0;  // steady state, all streams running
@@ -94,7 +65,7 @@ StreamsRun run_streams(QwenVl& model, int64_t streams, uint64_t seed) {
   const double window = std::chrono::duration<double>(to - from).count();
   run.decode_tokens_per_s = window > 0 ? static_cast<double>(tokens) / window : 0.0;
   const double wall = std::chrono::duration<double>(end - start).count();
-  run.overhead = (wall - timed.seconds()) / timed.seconds();
+  run.overhead = (wall - timed.model_seconds()) / timed.model_seconds();
   return run;
 }
 
@@ -130,6 +101,9 @@ std::pair<double, double> run_shared_prompt(QwenVl& model, uint64_t seed) {
     engine.submit(request, GenerationConfig().max_new_tokens(2))->wait();
     ttft.push_back(std::chrono::duration<double>(*first - submitted).count());
   }
+  const EngineMetrics m = engine.metrics();
+  fmt::print(stderr, "shared prompt: {} prefix-cache columns served, {} encoder-cache hits, {} misses\n",
+             m.prefix_cache_hit_columns, m.encoder_cache_hits, m.encoder_cache_misses);
   return {ttft[0], ttft[1]};
 }
 

@@ -34,10 +34,6 @@
 namespace vlmgen::bench {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
 /// VmRSS (current) and VmHWM (peak) of this process, in MB.
 std::pair<double, double> rss_mb() {
   std::ifstream in("/proc/self/status");

@@ -26,8 +26,6 @@ namespace vlmgen::bench {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 double load_average() {
   std::ifstream f("/proc/loadavg");
   double load = 0.0;

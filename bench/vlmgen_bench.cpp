@@ -48,47 +48,6 @@ int run_tokenizer_report(int64_t megabytes, int rounds);  // tokenizer_report.cp
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-/// Wraps a model and adds up the wall time of its forward calls.
-class TimedModel : public CausalVlm {
- public:
-  explicit TimedModel(CausalVlm& inner) : inner_(inner) {}
-  const ModelTraits& traits() const override { return inner_.traits(); }
-  at::Device device() const override { return inner_.device(); }
-  std::vector<int64_t> placeholder_counts(const VisionInputs& v) const override { return inner_.placeholder_counts(v); }
-  RopePlan plan_positions(const at::Tensor& ids, const at::Tensor& mask, const VisionInputs& v) const override {
-    return inner_.plan_positions(ids, mask, v);
-  }
-  bool can_encode_images() const override { return inner_.can_encode_images(); }
-  at::Tensor encode_images(const VisionInputs& v) override {
-    auto t = Clock::now();
-    at::Tensor out = inner_.encode_images(v);
-    model_s_ += seconds_since(t);
-    return out;
-  }
-  at::Tensor forward(const ForwardArgs& args) override {
-    auto t = Clock::now();
-    at::Tensor out = inner_.forward(args);
-    model_s_ += seconds_since(t);
-    forward_s_.push_back(seconds_since(t));
-    return out;
-  }
-  double model_seconds() const { return model_s_; }
-  const std::vector<double>& forward_seconds() const { return forward_s_; }
-  void reset() {
-    model_s_ = 0;
-    forward_s_.clear();
-  }
-
- private:
-  CausalVlm& inner_;
-  double model_s_ = 0;
-  std::vector<double> forward_s_;
-};
-
 /// Copy bandwidth in bytes/s (read + write) over a buffer far larger than the caches.
 double measure_copy_bandwidth() {
   at::Tensor src = at::rand({64 * 1024 * 1024}), dst = at::empty_like(src);  // 256 MB each

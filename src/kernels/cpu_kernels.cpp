@@ -288,7 +288,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   const bool fits = kernel_fits(x, weight, bias, fp8) && !needs_grad({&x, &weight, &bias});
   // 16-bit and FP8 weights stay on the kernel for more rows: widening them costs a pass over the
   // matrix, which a few more rows of kernel work pays for.
-  const int64_t max_rows = weight.scalar_type() == at::kFloat ? kMaxFastRows : kMaxFastRowsNarrow;
+  const int64_t max_rows = max_fast_rows(weight.scalar_type());
   if (rows <= max_rows && fits && enabled()) return linear_on(active_isa(), x, weight, bias, fp8);
   // Many rows: ATen's GEMM on float32 weights, widened here (ATen's own bfloat16 widening is ~10x
   // slower, and it cannot read FP8 at all).

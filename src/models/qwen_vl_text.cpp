@@ -129,26 +129,33 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
                                       scale});
   }
   // Attention of every segment over its own cache; q [b, heads, s, D], k and v [b, kv, s, D].
-  // Several segments lie in one [1, T] stream: each takes its rows x cols tokens as
-  // [rows, heads, cols, D] and its output goes back to its place.
+  // Several segments lie in one [1, T] stream (rows of each one after another): each takes its
+  // rows x cols tokens as [rows, heads, cols, D] and writes its output to its place.
+  std::vector<int64_t> offsets;  // of each segment in the stream
+  int64_t streamed = 0;
+  for (const LmSegment& g : segments) {
+    offsets.push_back(streamed);
+    streamed += g.rows * g.cols;
+  }
   auto attention = [&](int64_t layer, const at::Tensor& q, at::Tensor k, at::Tensor v) {
     if (one) {
       if (segments[0].context != nullptr) std::tie(k, v) = segments[0].context->append_kv(layer, k, v);
       return attend(q, k, v, windows[0]).transpose(1, 2).reshape({b, s, heads * head_dim});
     }
-    std::vector<at::Tensor> parts;
-    int64_t offset = 0;
+    at::Tensor out = at::empty({s, heads * head_dim}, q.options());
     for (size_t i = 0; i < segments.size(); ++i) {
       const LmSegment& g = segments[i];
+      const int64_t n = g.rows * g.cols;
       auto own = [&](const at::Tensor& t) {
-        return t.narrow(2, offset, g.rows * g.cols).reshape({t.size(1), g.rows, g.cols, head_dim}).transpose(0, 1);
+        return t.narrow(2, offsets[i], n).reshape({t.size(1), g.rows, g.cols, head_dim}).transpose(0, 1);
       };
       at::Tensor qi = own(q), ki = own(k), vi = own(v);
       if (g.context != nullptr) std::tie(ki, vi) = g.context->append_kv(layer, ki, vi);
-      parts.push_back(attend(qi, ki, vi, windows[i]).transpose(1, 2).reshape({g.rows * g.cols, heads * head_dim}));
-      offset += g.rows * g.cols;
+      out.narrow(0, offsets[i], n)
+          .view({g.rows, g.cols, heads, head_dim})
+          .copy_(attend(qi, ki, vi, windows[i]).transpose(1, 2));
     }
-    return at::cat(parts).view({b, s, heads * head_dim});
+    return out.view({b, s, heads * head_dim});
   };
 
   // Sequence parallelism for windows of more than one token: between blocks each rank keeps
@@ -208,25 +215,27 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
   x = whole(detail::apply_rms_norm(x, lm_.norm, c.rms_norm_eps));
   // [B, S or 1, vocab] (vocab / tp under TP), float32
   if (one) return {kernels::linear(segments[0].last_column_only ? x.narrow(1, s - 1, 1) : x, lm_.lm_head)};
-  // The output layer once over the columns the segments want (the last of each row, or all).
+  // The output layer once over the columns the segments want (the last of each row, or all):
+  // a decode step's one-column windows want every row of the stream.
   std::vector<int64_t> wanted;
-  int64_t offset = 0;
-  for (const LmSegment& g : segments) {
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const LmSegment& g = segments[i];
     for (int64_t r = 0; r < g.rows; ++r) {
       for (int64_t col = g.last_column_only ? g.cols - 1 : 0; col < g.cols; ++col) {
-        wanted.push_back(offset + r * g.cols + col);
+        wanted.push_back(offsets[i] + r * g.cols + col);
       }
     }
-    offset += g.rows * g.cols;
   }
-  const at::Tensor index = at::tensor(wanted, at::kLong).to(x.device());
-  const at::Tensor logits = kernels::linear(x.select(0, 0).index_select(0, index).unsqueeze(0), lm_.lm_head).squeeze(0);
+  at::Tensor rows = x.select(0, 0);
+  if (static_cast<int64_t>(wanted.size()) < s)
+    rows = rows.index_select(0, at::tensor(wanted, at::kLong).to(x.device()));
+  const at::Tensor logits = kernels::linear(rows.unsqueeze(0), lm_.lm_head).squeeze(0);
   std::vector<at::Tensor> out;
-  offset = 0;
+  int64_t first = 0;
   for (const LmSegment& g : segments) {
     const int64_t cols = g.last_column_only ? 1 : g.cols;
-    out.push_back(logits.narrow(0, offset, g.rows * cols).view({g.rows, cols, logits.size(1)}));
-    offset += g.rows * cols;
+    out.push_back(logits.narrow(0, first, g.rows * cols).view({g.rows, cols, logits.size(1)}));
+    first += g.rows * cols;
   }
   return out;
 }

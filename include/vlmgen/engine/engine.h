@@ -266,7 +266,7 @@ class Engine {
   }
 
   // Takes the waiting requests that fit (slots and KV budget) off the queue and books their KV
-  // bytes. Called with the lock held.
+  // blocks. Called with the lock held.
   std::vector<Waiting> admit(int64_t running) {
     std::vector<Waiting> admitted;
     while (!waiting_.empty() && running + static_cast<int64_t>(admitted.size()) < options_.max_running() &&

@@ -49,6 +49,11 @@ struct Fp8Scales {
 /// (GradMode on and an input requiring grad) always go to ATen.
 constexpr int64_t kMaxFastRows = 16;
 constexpr int64_t kMaxFastRowsNarrow = 64;
+/// The most rows linear() runs on the kernels for a weight stored as `weight_dtype` (uint8: FP8
+/// bytes).
+constexpr int64_t max_fast_rows(at::ScalarType weight_dtype) {
+  return weight_dtype == at::kFloat ? kMaxFastRows : kMaxFastRowsNarrow;
+}
 
 /// x [..., in] (float32) times weight [out, in] (float32, bfloat16 or float16, contiguous; or FP8
 /// bytes with `fp8` scales) transposed, plus bias [out] (float32) when defined: [..., out],

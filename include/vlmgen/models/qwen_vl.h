@@ -171,9 +171,11 @@ class QwenVl : public CausalVlm {
   /// embed as ordinary tokens. With a context, appends each layer's K/V without committing.
   /// Under tensor parallelism every rank of the group must make the same calls.
   at::Tensor forward(const ForwardArgs& args) override;
-  /// Decode calls of several requests (each with a KV cache, no images, windows of any length)
-  /// in one decoder pass: the linear layers run once over all their tokens, attention per call
-  /// over its own cache. Anything else runs call by call.
+  /// Decode calls of several requests (each with a KV cache, no images; under sequence
+  /// parallelism one-token windows only) in one decoder pass: the linear layers run once over
+  /// all their tokens, attention per call over its own cache. On the CPU kernels a pass takes at
+  /// most kernels::max_fast_rows tokens (a larger batch is cut into several passes), so each
+  /// call's logits are those of its own forward. Anything else runs call by call.
   std::vector<at::Tensor> forward_batch(const std::vector<const ForwardArgs*>& calls) override;
   at::Device device() const override { return lm_.embed_tokens.device(); }
 

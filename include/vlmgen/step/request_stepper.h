@@ -133,8 +133,7 @@ class RequestStepper {
       }
       return true;  // the prompt goes on at the next step
     }
-    const ForwardArgs args = windows_->args_for(context_ != nullptr ? context_->length() : 0, end, step_);
-    return take_token(windows_->accept(args, model_.forward(args)));
+    return take_token(windows_->run(context_ != nullptr ? context_->length() : 0, end, step_));
   }
 
   /// When the next step is one decode window over the KV cache, its forward call, which an

@@ -140,9 +140,6 @@ struct RequestLayout {
   std::vector<ImageSpan> spans;  ///< every image's placeholder run, in padded columns
 };
 
-/// Lays out a request that passed validate_request: pads, the image spans (placeholder counts
-/// checked against the bundle, spans framed by the vision tokens), and the column budget
-/// against the model's maximum sequence length.
 /// Replay mode 'always' sends every image to every call, which a decode step over a KV cache
 /// (no placeholders in its window) cannot take: refused before any forward call.
 inline void check_replay_with_cache(bool use_kv_cache, ReplayMode mode, const RequestLayout& layout) {
@@ -151,6 +148,9 @@ inline void check_replay_with_cache(bool use_kv_cache, ReplayMode mode, const Re
                "in its window) cannot take; use kSpanAware, or enable_kv_cache(false)");
 }
 
+/// Lays out a request that passed validate_request: pads, the image spans (placeholder counts
+/// checked against the bundle, spans framed by the vision tokens), and the column budget
+/// against the model's maximum sequence length.
 inline RequestLayout lay_out_request(const GenerateRequest& request, const GenerationConfig& config, CausalVlm& model) {
   const ModelTraits& traits = model.traits();
   RequestLayout l;

@@ -100,8 +100,7 @@ class WindowRunner {
   /// an undefined tensor when the prompt is not complete: the next call goes on.
   at::Tensor prefill(int64_t end, const std::atomic<bool>* cancel, int64_t max_columns = 0) {
     const int64_t first = context_->length();
-    int64_t chunk = config_.prefill_chunk_size() > 0 ? config_.prefill_chunk_size() : end - first;
-    if (max_columns > 0) chunk = std::min(chunk, max_columns);
+    const int64_t chunk = config_.prefill_chunk_size() > 0 ? config_.prefill_chunk_size() : end - first;
     // Sums that could pass INT64_MAX (a chunk size near it) are compared as differences.
     const int64_t stop = max_columns > 0 && max_columns < end - first ? first + max_columns : end;
     at::Tensor last;
