@@ -170,5 +170,14 @@ inline std::vector<std::string> supported_isa_names() {
 int run_speed_report(int rounds, const std::string& json_path);                  // speed_report.cpp
 int run_memory_report(const std::string& dtype, const std::string& checkpoint);  // speed_report.cpp
 int run_engine_report(int rounds, const std::string& json_path);                 // engine_report.cpp
+/// The engine-only side of bench/serve_load.py: `clients` threads, each submitting its requests
+/// one after another (a `prompt_tokens` prompt, `new_tokens` new tokens), on the 100M model.
+struct EngineLoad {
+  int64_t clients = 1;
+  int64_t requests_per_client = 4;
+  int64_t prompt_tokens = 64;
+  int64_t new_tokens = 48;
+};
+int run_engine_load(const EngineLoad& load);  // engine_report.cpp
 
 }  // namespace vlmgen::bench

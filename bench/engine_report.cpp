@@ -5,18 +5,24 @@
 //   time to first token of two requests that share a 512-token system prompt with a 448x448
 //   image (the second one finds the prompt's KV blocks and the image's embeddings cached);
 //   the engine's own time per step against the model's forward time at 16 streams.
+//
+// vlmgen-bench --engine-load: the engine-only side of bench/serve_load.py (the same closed loop
+// of clients the HTTP load generator runs against vlmgen-serve), as one JSON line.
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench_models.h"
@@ -152,6 +158,64 @@ int run_engine_report(int rounds, const std::string& json_path) {
   out["threads"] = at::get_num_threads();
   out["rounds"] = rounds;
   if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
+  return 0;
+}
+
+int run_engine_load(const EngineLoad& load) {
+  Qwen2Vl model(config_100m(), 1);
+  std::vector<double> ttft;
+  std::mutex mutex;
+  int64_t tokens = 0;
+  Clock::time_point start;
+  {
+    Engine engine(model, EngineOptions().max_running(std::max<int64_t>(load.clients, 1)));
+    {  // warm-up: one request, as the load generator's first (calibrating) request warms the server
+      GenerateRequest request;
+      request.prompts = {text_prompt(load.prompt_tokens, model.config(), 1)};
+      engine.submit(std::move(request), GenerationConfig().max_new_tokens(load.new_tokens))->wait();
+    }
+    start = Clock::now();
+    std::vector<std::thread> clients;
+    for (int64_t c = 0; c < load.clients; ++c) {
+      clients.emplace_back([&, c] {
+        for (int64_t k = 0; k < load.requests_per_client; ++k) {
+          GenerateRequest request;
+          request.prompts = {text_prompt(load.prompt_tokens, model.config(),
+                                         100 + 1000 * static_cast<uint64_t>(c) + static_cast<uint64_t>(k))};
+          std::optional<Clock::time_point> first;
+          request.on_token = [&first](const TokenEvent&) {
+            if (!first) first = Clock::now();
+            return true;
+          };
+          const auto submitted = Clock::now();
+          const GenerationResult result =
+              engine.submit(std::move(request), GenerationConfig().max_new_tokens(load.new_tokens))->wait();
+          std::lock_guard<std::mutex> lock(mutex);
+          tokens += result.stats.generated_tokens;
+          if (first) ttft.push_back(std::chrono::duration<double>(*first - submitted).count());
+        }
+      });
+    }
+    for (auto& t : clients) t.join();
+  }
+  const double wall = seconds_since(start);
+  std::sort(ttft.begin(), ttft.end());
+  const auto quantile = [&](double q) {
+    if (ttft.empty()) return 0.0;
+    return ttft[static_cast<size_t>(
+        std::min<double>(std::ceil(q * static_cast<double>(ttft.size())) - 1, static_cast<double>(ttft.size() - 1)))];
+  };
+  nlohmann::json out = {{"clients", load.clients},
+                        {"requests", load.clients * load.requests_per_client},
+                        {"prompt_tokens", load.prompt_tokens},
+                        {"tokens", tokens},
+                        {"wall_s", wall},
+                        {"tokens_per_s", static_cast<double>(tokens) / wall},
+                        {"requests_per_s", static_cast<double>(load.clients * load.requests_per_client) / wall},
+                        {"ttft_p50_s", quantile(0.5)},
+                        {"ttft_p99_s", quantile(0.99)},
+                        {"threads", at::get_num_threads()}};
+  fmt::print("{}\n", out.dump());
   return 0;
 }
 

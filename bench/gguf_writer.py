@@ -31,6 +31,8 @@ import sys
 
 import numpy as np
 
+from byte_level import byte_symbols  # this folder
+
 # GGUF metadata value types
 U8, I8, U16, I16, U32, I32, F32, BOOL, STRING, ARRAY, U64, I64, F64 = range(13)
 # ggml tensor types and llama file types
@@ -185,20 +187,6 @@ def write_gguf(path, kvs, tensors):
 
 # ---------------------------------------------------------------------------------------------
 # Qwen2-VL -> llama.cpp qwen2
-
-
-def byte_symbols():
-    """The byte-level BPE alphabet: byte b -> one printable character (bytes that are printable
-    Latin-1 map to themselves, the others to U+0100 onwards, in byte order)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(0x100 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
 
 
 def synthetic_vocab(vocab_size, bos, eos):

@@ -5,6 +5,8 @@
 //   vlmgen-bench --families [--rounds 3] [--threads N]   decode ms/token of the 100M LM per model family
 //   vlmgen-bench --speed [--rounds 3] [--threads N] [--json out.json]   decode/prefill/memory, f32 vs bf16
 //   vlmgen-bench --engine [--rounds 3] [--threads N] [--json out.json]  the engine: 1/4/16 streams, TTFT
+//   vlmgen-bench --engine-load --clients C [--requests K] [--prompt-tokens P] [--new-tokens M] [--threads N]
+//                                                        engine-only side of bench/serve_load.py (one JSON line)
 //   vlmgen-bench --write-checkpoint DIR                  the 100M model as an HF checkpoint (for peers)
 //   vlmgen-bench --memory f32|bf16|fp8 --checkpoint DIR  peak RSS of one loaded model (one JSON line)
 //   vlmgen-bench [--benchmark_filter=...]               Google Benchmark micro benchmarks
@@ -291,7 +293,8 @@ BENCHMARK(BM_Greedy)->Arg(152064);
 int main(int argc, char** argv) {
   vlmgen::detail::prefer_passive_openmp_wait(argv);
   bool report = false, quick = false, tokenizer = false, families = false, speed = false, write_checkpoint = false,
-       engine = false;
+       engine = false, engine_load = false;
+  vlmgen::bench::EngineLoad load;
   int64_t megabytes = 10;
   int rounds = 3;
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -317,6 +320,16 @@ int main(int argc, char** argv) {
       speed = true;
     } else if (std::strcmp(argv[i], "--engine") == 0) {
       engine = true;
+    } else if (std::strcmp(argv[i], "--engine-load") == 0) {
+      engine_load = true;
+    } else if (std::strcmp(argv[i], "--clients") == 0 && i + 1 < argc) {
+      load.clients = std::max(1, std::atoi(argv[++i]));
+    } else if (std::strcmp(argv[i], "--requests") == 0 && i + 1 < argc) {
+      load.requests_per_client = std::max(1, std::atoi(argv[++i]));
+    } else if (std::strcmp(argv[i], "--prompt-tokens") == 0 && i + 1 < argc) {
+      load.prompt_tokens = std::max(1, std::atoi(argv[++i]));
+    } else if (std::strcmp(argv[i], "--new-tokens") == 0 && i + 1 < argc) {
+      load.new_tokens = std::max(1, std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--families") == 0) {
       families = true;
     } else if (std::strcmp(argv[i], "--tokenizer") == 0) {
@@ -351,6 +364,10 @@ int main(int argc, char** argv) {
     if (speed) {
       vlmgen::bench::set_all_threads(threads);
       return vlmgen::bench::run_speed_report(rounds, json);
+    }
+    if (engine_load) {
+      vlmgen::bench::set_all_threads(threads);
+      return vlmgen::bench::run_engine_load(load);
     }
     if (engine) {
       vlmgen::bench::set_all_threads(threads);

@@ -54,14 +54,11 @@ bool read_line(const vlmgen::ParallelContext& parallel, std::string* line) {
     ok = static_cast<bool>(std::getline(std::cin, *line));
   }
   if (parallel.tp_size() == 1) return ok;
-  at::Tensor size = at::full({1}, ok ? static_cast<int64_t>(line->size()) : int64_t{-1}, at::kLong);
-  parallel.tp_group()->broadcast(size, 0);
-  const int64_t n = size.item<int64_t>();
-  if (n < 0) return false;
-  at::Tensor bytes = at::zeros({n}, at::kByte);
-  if (parallel.rank() == 0) std::memcpy(bytes.data_ptr(), line->data(), static_cast<size_t>(n));
-  parallel.tp_group()->broadcast(bytes, 0);
-  line->assign(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(n));
+  // A line travels with '\n' appended, so an empty message means the end of input.
+  std::string message = ok ? *line + '\n' : std::string();
+  vlmgen::broadcast_bytes(*parallel.tp_group(), message, 0);
+  if (message.empty()) return false;
+  line->assign(message, 0, message.size() - 1);
   return true;
 }
 
@@ -225,18 +222,13 @@ int main(int argc, char** argv) {
   app.add_option("--timeout", o.timeout_s, "seconds a rank waits for its peers")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
-  const bool in_a_launch = std::getenv("RANK") != nullptr || std::getenv("WORLD_SIZE") != nullptr;
-  if (o.nproc > 1 && !in_a_launch) {
-    std::vector<std::string> args = {vlmgen::self_executable(argv[0])};
-    args.insert(args.end(), argv + 1, argv + argc);
+  try {
     vlmgen::LaunchOptions launch;
     launch.timeout = std::chrono::hours(24 * 365);
-    try {
-      return vlmgen::launch_local_ranks(o.nproc, args, launch);
-    } catch (const vlmgen::Error& e) {
-      fmt::print(stderr, "error: {}\n", e.what());
-      return 1;
-    }
+    if (auto status = vlmgen::relaunch_as_local_ranks(o.nproc, argc, argv, launch)) return *status;
+  } catch (const vlmgen::Error& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
   }
   try {
     vlmgen::ParallelContext parallel =

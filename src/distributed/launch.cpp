@@ -11,10 +11,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -147,6 +150,50 @@ int shell_status(int wait_status) {
   return 1;
 }
 
+// The signal a forwarding launcher received and has not passed on yet (0: none); lock-free,
+// so the handler may set it.
+std::atomic<int> g_pending_signal{0};
+static_assert(std::atomic<int>::is_always_lock_free, "a signal handler may only touch lock-free atomics");
+extern "C" void remember_signal(int sig) { g_pending_signal.store(sig); }
+
+// While alive, SIGINT and SIGTERM are remembered instead of ending the process; the previous
+// handlers come back at the end.
+class SignalForwarding {
+ public:
+  explicit SignalForwarding(bool on) : on_(on) {
+    if (!on_) return;
+    g_pending_signal.store(0);
+    struct sigaction action {};
+    action.sa_handler = remember_signal;
+    sigemptyset(&action.sa_mask);
+    ::sigaction(SIGINT, &action, &old_int_);
+    ::sigaction(SIGTERM, &action, &old_term_);
+  }
+  ~SignalForwarding() {
+    if (!on_) return;
+    ::sigaction(SIGINT, &old_int_, nullptr);
+    ::sigaction(SIGTERM, &old_term_, nullptr);
+  }
+  SignalForwarding(const SignalForwarding&) = delete;
+  SignalForwarding& operator=(const SignalForwarding&) = delete;
+
+  // Sends a signal that arrived since the last call to every rank still running. (Ctrl-C in a
+  // terminal reaches the ranks directly too: they share the launcher's process group.)
+  void pass_on(const std::vector<pid_t>& pids) const {
+    if (!on_) return;
+    const int sig = g_pending_signal.exchange(0);
+    if (sig == 0) return;
+    for (pid_t pid : pids) {
+      if (pid > 0) ::kill(pid, sig);
+    }
+  }
+
+ private:
+  bool on_;
+  struct sigaction old_int_ {};
+  struct sigaction old_term_ {};
+};
+
 // Stops the ranks still running: SIGTERM, then SIGKILL after the grace period; reaps them all.
 void stop_ranks(std::vector<pid_t>& pids, std::chrono::milliseconds grace) {
   for (pid_t pid : pids) {
@@ -179,6 +226,14 @@ void stop_ranks(std::vector<pid_t>& pids, std::chrono::milliseconds grace) {
 
 }  // namespace
 
+std::optional<int> relaunch_as_local_ranks(int nproc, int argc, char** argv, LaunchOptions options) {
+  const bool in_a_launch = std::getenv("RANK") != nullptr || std::getenv("WORLD_SIZE") != nullptr;
+  if (nproc <= 1 || in_a_launch) return std::nullopt;
+  std::vector<std::string> args = {self_executable(argv[0])};
+  args.insert(args.end(), argv + 1, argv + argc);
+  return launch_local_ranks(nproc, args, options);
+}
+
 int launch_local_ranks(int nproc, const std::vector<std::string>& argv, const LaunchOptions& options) {
   VLMGEN_CHECK(nproc >= 1, "launch_local_ranks needs nproc >= 1, got {}", nproc);
   VLMGEN_CHECK(!argv.empty() && !argv[0].empty(), "launch_local_ranks needs a command, got an empty argv");
@@ -209,6 +264,7 @@ int launch_local_ranks(int nproc, const std::vector<std::string>& argv, const La
   const bool search_path = argv[0].find('/') == std::string::npos;
 
   std::vector<pid_t> pids(static_cast<size_t>(nproc), -1);
+  const SignalForwarding forwarding(options.forward_signals);
   for (int rank = 0; rank < nproc; ++rank) {
     std::vector<std::string> env_strings = inherited;
     env_strings.push_back("RANK=" + std::to_string(rank));
@@ -233,6 +289,7 @@ int launch_local_ranks(int nproc, const std::vector<std::string>& argv, const La
   const auto deadline = std::chrono::steady_clock::now() + options.timeout;
   int remaining = nproc;
   while (remaining > 0) {
+    forwarding.pass_on(pids);
     for (int rank = 0; rank < nproc; ++rank) {
       pid_t& pid = pids[static_cast<size_t>(rank)];
       if (pid <= 0) continue;

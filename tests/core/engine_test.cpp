@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -415,6 +416,87 @@ TEST(Engine, DestroyingItCancelsWhatIsLeft) {
     engine.submit(GenerateRequest({{4, 5}}), GenerationConfig().max_new_tokens(3));
   }
   EXPECT_EQ(handle->wait().sequences[0].finish_reason, FinishReason::kCancelled);
+}
+
+// The step plan of a tensor-parallel engine carries a request to the other ranks: what arrives
+// must be the same request (request_digest covers every option, the prompts and the images), and
+// a plan cut short or holding nonsense is a vlmgen::Error, not a half-read request.
+TEST(StepPlan, ARequestWithEveryOptionSetArrivesUnchanged) {
+  GenerateRequest request({{1, 2, 3}, {4, 5}}, VisionInputs::patch_flattened(
+                                                   at::randn({8, 6}), at::tensor({1, 2, 4}, at::kLong).view({1, 3}),
+                                                   at::tensor({28, 56}, at::kInt).view({1, 2})));
+  const auto config = GenerationConfig()
+                          .max_new_tokens(7)
+                          .enable_kv_cache(false)
+                          .replay_mode(ReplayMode::kAlways)
+                          .end_token_ids({9, 10})
+                          .stop_token_ids({11})
+                          .pad_token_id(3)
+                          .temperature(0.7)
+                          .top_k(5)
+                          .top_p(0.8)
+                          .seed(123456789012345ULL)
+                          .row_seeds({1, 2})
+                          .return_logprobs(true)
+                          .prefill_chunk_size(4)
+                          .encoder_cache(false)
+                          .allow_placeholder_tokens(true)
+                          .full_logits(true)
+                          .check_pixel_values(false)
+                          .prompt_logprobs(true)
+                          .top_logprobs(3)
+                          .return_logits(true);
+  detail::ByteWriter writer;
+  detail::write_request(writer, request, config);
+  detail::StepPlan plan;
+  plan.state.values[3] = 42;
+  plan.cancelled = {7};
+  plan.cancelled_rows = {{7, 1}};
+  plan.failed = {8};
+  plan.admitted.emplace_back(5, writer.bytes());
+  const detail::StepPlan back = detail::StepPlan::decode(plan.encode());
+  EXPECT_EQ(back.state.values, plan.state.values);
+  EXPECT_EQ(back.cancelled, plan.cancelled);
+  ASSERT_EQ(back.cancelled_rows.size(), 1u);
+  EXPECT_EQ(back.cancelled_rows[0].id, 7u);
+  EXPECT_EQ(back.cancelled_rows[0].row, 1);
+  EXPECT_EQ(back.failed, plan.failed);
+  ASSERT_EQ(back.admitted.size(), 1u);
+  EXPECT_EQ(back.admitted[0].first, 5u);
+  detail::ByteReader reader(back.admitted[0].second);
+  const auto [got, got_config] = detail::read_request(reader, at::kCPU);
+  EXPECT_TRUE(reader.done());
+  EXPECT_EQ(got.prompts, request.prompts);
+  EXPECT_TRUE(at::equal(got.vision.pixel_values, request.vision.pixel_values));
+  EXPECT_EQ(got.vision.image_sizes.scalar_type(), at::kInt);
+  EXPECT_EQ(detail::request_digest(got, got_config), detail::request_digest(request, config));
+  EXPECT_NE(detail::request_digest(got, GenerationConfig()), detail::request_digest(request, config));
+
+  const std::string bytes = plan.encode();
+  for (size_t cut : {size_t{0}, size_t{1}, bytes.size() / 2, bytes.size() - 1}) {
+    EXPECT_THAT([&] { detail::StepPlan::decode(bytes.substr(0, cut)); },
+                ::testing::ThrowsMessage<Error>(
+                    ::testing::AnyOf(HasSubstr("a step plan ends after"), HasSubstr("a step plan announces"))))
+        << cut;
+  }
+  EXPECT_THAT([&] { detail::StepPlan::decode(bytes + "x"); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("bytes left after its last field")));
+  std::string not_a_bool = bytes;
+  not_a_bool[0] = 2;
+  EXPECT_THAT([&] { detail::StepPlan::decode(not_a_bool); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("holds 2 where true or false was expected")));
+  std::string many_requests = bytes;  // the admitted count, after stop, state and three empty-or-short lists
+  const size_t count_at = 1 + sizeof(detail::StepState::values) + (8 + 8) + (8 + 16) + (8 + 8);
+  const uint64_t huge = uint64_t{1} << 60;
+  std::memcpy(&many_requests[count_at], &huge, sizeof huge);
+  EXPECT_THAT([&] { detail::StepPlan::decode(many_requests); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("announces 1152921504606846976 entries")));
+}
+
+TEST(Engine, JoinIsOnlyForTheRanksThatFollowRankZero) {
+  testing::FakeVlm model;
+  Engine engine(model);
+  EXPECT_THAT([&] { engine.join(); }, ::testing::ThrowsMessage<Error>(HasSubstr("this engine is rank 0")));
 }
 
 }  // namespace

@@ -20,10 +20,13 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <future>
 #include <iostream>
 #include <map>
 #include <memory>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -32,6 +35,7 @@
 #include "vlmgen/detail/torch_compat.h"
 #include "vlmgen/distributed/communicator.h"
 #include "vlmgen/distributed/tensor_parallel.h"
+#include "vlmgen/engine/engine.h"
 #include "vlmgen/error.h"
 #include "vlmgen/generator.h"
 #include "vlmgen/io/safetensors.h"
@@ -647,6 +651,199 @@ TEST(DISABLED_TpModelFailureWorker, RankKilledMidGenerationRaisesOnTheOther) {
   EXPECT_LT(elapsed, multiprocess::worker_timeout().count() / 1000.0 + 5.0);
 }
 
+// The engine under TP=2 (and TP=2 + SP): rank 0 takes the requests and sends each step's plan,
+// rank 1 runs it. Requests with and without images and KV cache, greedy and seeded sampling, a
+// repeated prompt (a prefix-cache hit on both ranks), and one cancelled from rank 0 mid-decode,
+// submitted while others run: each request's tokens equal the TP=1 Generator running it alone,
+// and both ranks stepped the same (an unsynchronised step would deadlock or fail a collective).
+TEST(DISABLED_TpModelWorker, EngineEqualsTp1Generator) {
+  SKIP_UNLESS_WORKER();
+  const QwenVlConfig config = test_config();
+  Qwen2Vl reference(config, 13);
+  const std::vector<int64_t> single = image_prompt({1, 2, 3, 4, 5}, 4, {6, 7});
+  struct Job {
+    GenerateRequest request;
+    GenerationConfig config;
+  };
+  const std::vector<Job> jobs = {
+      {image_request(config), GenerationConfig().max_new_tokens(8)},
+      {image_request(config), GenerationConfig().max_new_tokens(6).enable_kv_cache(false)},
+      {odd_length_request(config), GenerationConfig().max_new_tokens(8).temperature(0.9).seed(7)},
+      {GenerateRequest({{3, 4, 5, 6, 7, 8, 9}}), GenerationConfig().max_new_tokens(200)},
+      {GenerateRequest({single}, make_vision(config, {{1, 4, 4}}, 90)), GenerationConfig().max_new_tokens(7)},
+      {GenerateRequest({single}, make_vision(config, {{1, 4, 4}}, 90)), GenerationConfig().max_new_tokens(7)},
+      {GenerateRequest({single}, make_vision(config, {{1, 4, 4}}, 91)), GenerationConfig().max_new_tokens(7)},
+      {image_request(config), GenerationConfig().max_new_tokens(8)},
+      {GenerateRequest({{5, 6, 7}}), GenerationConfig().max_new_tokens(8)},
+  };
+  const size_t cancelled = 3;    // cancelled by rank 0 once it has 3 tokens
+  const size_t row_stopped = 7;  // its streaming callback stops row 1 at its second token
+  const size_t threw = 8;        // its streaming callback throws at the second token
+  for (bool sequence_parallel : {false, true}) {
+    auto [par, counter] = counted_context(sequence_parallel);
+    Qwen2Vl model(config, 13, 0.02, par);
+    const auto options =
+        EngineOptions().max_running(3).prefix_block_columns(4).idle_plan_interval(std::chrono::milliseconds(20));
+    const std::string what = fmt::format("SP {}", sequence_parallel);
+    EngineMetrics metrics;
+    if (par.tp_rank() == 0) {
+      std::vector<GenerationResult> results(jobs.size());
+      {
+        Engine engine(model, options, par);
+        std::vector<std::shared_ptr<RequestHandle>> handles;
+        std::promise<void> three_tokens;
+        int64_t seen = 0;
+        for (size_t i = 0; i < jobs.size(); ++i) {
+          GenerateRequest request = jobs[i].request;
+          if (i == cancelled) {
+            request.on_token = [&](const TokenEvent&) {
+              if (++seen == 3) three_tokens.set_value();
+              return true;
+            };
+          }
+          if (i == row_stopped) {
+            request.on_token = [](const TokenEvent& e) { return !(e.row == 1 && e.step == 1); };
+          }
+          if (i == threw) {
+            request.on_token = [](const TokenEvent& e) {
+              if (e.step == 1) throw std::runtime_error("the client went away");
+              return true;
+            };
+          }
+          if (i == 5) handles[4]->wait();  // the repeat comes once its first run is cached
+          handles.push_back(engine.submit(request, jobs[i].config));
+          if (i == cancelled) {
+            three_tokens.get_future().wait();
+            handles[cancelled]->cancel();
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(30));  // arrive while others run
+        }
+        for (size_t i = 0; i < jobs.size(); ++i) {
+          if (i == threw) {
+            EXPECT_THROW(handles[i]->wait(), std::runtime_error) << what;
+            continue;
+          }
+          results[i] = handles[i]->wait();
+        }
+        metrics = engine.metrics();
+      }
+      for (size_t i = 0; i < jobs.size(); ++i) {
+        if (i == threw) continue;
+        const GenerationResult alone = Generator(reference).generate(jobs[i].request, jobs[i].config);
+        ASSERT_EQ(results[i].sequences.size(), alone.sequences.size()) << what << ", request " << i;
+        for (size_t r = 0; r < alone.sequences.size(); ++r) {
+          const auto& got = results[i].sequences[r].tokens;
+          const auto& want = alone.sequences[r].tokens;
+          if (i == row_stopped && r == 1) {
+            EXPECT_EQ(results[i].sequences[r].finish_reason, FinishReason::kCancelled) << what;
+            EXPECT_EQ(got, std::vector<int64_t>(want.begin(), want.begin() + 2)) << what;
+          } else if (i == cancelled) {
+            EXPECT_EQ(results[i].sequences[r].finish_reason, FinishReason::kCancelled) << what;
+            ASSERT_GE(got.size(), 3u) << what;
+            ASSERT_LT(got.size(), want.size()) << what;
+            EXPECT_EQ(got, std::vector<int64_t>(want.begin(), want.begin() + static_cast<int64_t>(got.size()))) << what;
+          } else {
+            EXPECT_EQ(got, want) << what << ", request " << i << ", row " << r;
+          }
+        }
+      }
+      EXPECT_GE(metrics.prefix_cache_hits, 1) << what << ": the repeated prompt and picture";
+    } else {
+      Engine engine(model, options, par);
+      EXPECT_THAT([&] { engine.submit(jobs[0].request, jobs[0].config); },
+                  ThrowsMessage<Error>(HasSubstr("submit requests to rank 0's engine")));
+      engine.join();
+      metrics = engine.metrics();
+    }
+    EXPECT_GT(counter->all_reduces, 0) << what;
+    if (sequence_parallel) {
+      EXPECT_GT(counter->reduce_scatters, 0) << what;
+    }
+    // Both ranks stepped alike: the same steps, fused batches, tokens and cache hits.
+    at::Tensor mine = at::tensor(std::vector<int64_t>{metrics.steps, metrics.decode_batches, metrics.generated_tokens,
+                                                      metrics.prefix_cache_hit_columns, metrics.encoder_cache_hits},
+                                 at::kLong)
+                          .reshape({1, 5});
+    at::Tensor all = worker_comm().all_gather(mine, 0);
+    EXPECT_TRUE(at::equal(all[0], all[1])) << what << ": " << all;
+    EXPECT_GT(metrics.steps, 0) << what;
+    EXPECT_EQ(metrics.failed, 1) << what << ": the request whose callback threw, on every rank";
+  }
+}
+
+// A request refused at start on one rank only (here rank 1's model allows shorter sequences, as a
+// rank with less free memory might refuse a KV cache) ends on every rank before its first
+// forward call, with an error that says so; the requests around it are served as usual.
+TEST(DISABLED_TpModelWorker, ARequestRefusedOnOneRankEndsOnEveryRank) {
+  SKIP_UNLESS_WORKER();
+  const ParallelContext& par = worker_context();
+  const QwenVlConfig config = test_config();
+  Qwen2Vl reference(config, 13);
+  Qwen2Vl model(config, 13, 0.02, par);
+  class ShorterSequences : public testing::ForwardingVlm {
+   public:
+    explicit ShorterSequences(CausalVlm& inner) : ForwardingVlm(inner), traits_(inner.traits()) {
+      traits_.max_sequence_length = 40;
+    }
+    const ModelTraits& traits() const override { return traits_; }
+
+   private:
+    ModelTraits traits_;
+  };
+  ShorterSequences shorter(model);
+  CausalVlm& mine = par.tp_rank() == 1 ? static_cast<CausalVlm&>(shorter) : model;
+  Engine engine(mine, EngineOptions(), par);
+  if (par.tp_rank() == 1) {
+    engine.join();
+    EXPECT_EQ(engine.metrics().failed, 1);
+    return;
+  }
+  std::vector<int64_t> long_prompt(30);
+  for (size_t i = 0; i < long_prompt.size(); ++i) long_prompt[i] = 3 + static_cast<int64_t>(i % 20);
+  const GenerateRequest short_request({{3, 4, 5, 6}});
+  const auto short_config = GenerationConfig().max_new_tokens(6);
+  auto refused = engine.submit(GenerateRequest({long_prompt}), GenerationConfig().max_new_tokens(20));
+  auto served = engine.submit(short_request, short_config);
+  EXPECT_THAT([&] { refused->wait(); },
+              ThrowsMessage<Error>(HasSubstr("could not start on every tensor-parallel rank")));
+  const GenerationResult alone = Generator(reference).generate(short_request, short_config);
+  EXPECT_EQ(served->wait().sequences[0].tokens, alone.sequences[0].tokens);
+  EXPECT_EQ(engine.submit(short_request, short_config)->wait().sequences[0].tokens, alone.sequences[0].tokens)
+      << "a request after the refused one";
+  EXPECT_EQ(engine.metrics().failed, 1);
+  EXPECT_TRUE(engine.broken().empty());
+}
+
+// Engines built with other options drift apart: rank 1 says so at the first plan, before any
+// collective of the model, and rank 0, left alone in its collectives, ends the request with an
+// error instead of hanging, then refuses or fails what comes next.
+TEST(DISABLED_TpModelFailureWorker, EnginesWithOtherOptionsFailInsteadOfHanging) {
+  SKIP_UNLESS_WORKER();
+  const ParallelContext& par = worker_context();
+  const QwenVlConfig config = test_config();
+  Qwen2Vl model(config, 13, 0.02, par);
+  auto options = EngineOptions();
+  if (par.tp_rank() == 1) options.prefill_columns_per_step(64);
+  Engine engine(model, options, par);
+  if (par.tp_rank() == 1) {
+    EXPECT_THAT([&] { engine.join(); }, ThrowsMessage<Error>(HasSubstr("rank 1's engine drifted from rank 0's")));
+    return;
+  }
+  const auto start = Clock::now();
+  auto first = engine.submit(image_request(config), GenerationConfig().max_new_tokens(4));
+  EXPECT_THROW(first->wait(), Error);
+  try {
+    engine.submit(image_request(config), GenerationConfig().max_new_tokens(4))->wait();
+    ADD_FAILURE() << "a request was served after the other rank left";
+  } catch (const Error& e) {
+    // Refused at submit, or (had it queued first) ended with the reason the engine stopped.
+    EXPECT_THAT(e.what(), ::testing::AnyOf(HasSubstr("the engine stopped"),
+                                           HasSubstr("the tensor-parallel ranks can no longer step together"),
+                                           HasSubstr("sending a step plan to the other tensor-parallel ranks failed")));
+  }
+  EXPECT_LT(seconds_since(start), multiprocess::worker_timeout().count() / 1000.0 + 5.0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The launching tests: two ranks, Gloo on loopback (the c10d store when the build lacks Gloo).
 
@@ -663,6 +860,14 @@ TEST(TensorParallelModel, GreedyTp2EqualsTp1WithAndWithoutKvCache) {
 
 TEST(TensorParallelModel, Qwen2_5VlAndQwen3VlEqualTp1UnderTpAndSp) {
   EXPECT_EQ(run_workers(2, "DISABLED_TpModelWorker.NewFamiliesEqualTp1UnderTpAndSp", two_rank_env()), 0);
+}
+
+TEST(TensorParallelModel, EngineTp2EqualsTp1Generator) {
+  EXPECT_EQ(run_workers(2, "DISABLED_TpModelWorker.EngineEqualsTp1Generator", two_rank_env()), 0);
+}
+
+TEST(TensorParallelModel, ARequestRefusedOnOneRankEndsOnEveryRank) {
+  EXPECT_EQ(run_workers(2, "DISABLED_TpModelWorker.ARequestRefusedOnOneRankEndsOnEveryRank", two_rank_env()), 0);
 }
 
 TEST(TensorParallelModel, ScoresTp2EqualTp1) {
@@ -746,6 +951,12 @@ TEST(TensorParallelModel, Fp8CheckpointTp2EqualsTp1) {
                   two_rank_env({{"VLMGEN_TEST_CHECKPOINT", (dir / "fp8-16").string()}, {"VLMGEN_TEST_KEEP_FP8", "1"}})),
       0);
   std::filesystem::remove_all(dir);
+}
+
+TEST(TensorParallelModel, EnginesWithOtherOptionsFailInsteadOfHanging) {
+  EXPECT_EQ(run_workers(2, "DISABLED_TpModelFailureWorker.EnginesWithOtherOptionsFailInsteadOfHanging",
+                        {{"VLMGEN_TEST_TP", "2"}, {"VLMGEN_TEST_TIMEOUT_MS", "5000"}}, std::chrono::seconds(45)),
+            0);
 }
 
 TEST(TensorParallelModel, RankKilledMidGenerationRaisesOnTheOther) {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # vlmgen-serve end to end: a tiny random Qwen2-VL with the real vocabulary, tokenizer and chat
 # template (as in tests/text/chat_cli_test.sh); the official OpenAI client gets vlmgen-chat's
-# answer (tests/serve/openai_client_test.js), then SIGTERM with 8 streams in flight exits 0.
+# answer (tests/serve/openai_client_test.js), then SIGTERM with 8 streams in flight exits 0; then
+# the same client against --nproc 2 (rank 0 serves and plans, rank 1 runs its plan), and SIGTERM.
 # Exit 77 (skipped) without the npm packages.
 set -euo pipefail
 make_checkpoint=$1 chat=$2 serve=$3 npm_dir=$4 text_dir=$5 work=$6
@@ -83,3 +84,16 @@ grep "signal\|stopped\|cancelling" "$work/serve.err" || true
 [ "$elapsed" -le 20 ] || { echo "FAIL: shutdown took ${elapsed} s (grace 20 s)"; exit 1; }
 grep -q "8 of 8 streams finished" "$work/hold.out" || { echo "FAIL: the streams did not finish"; cat "$work/hold.out"; exit 1; }
 echo "OK shutdown: exit 0 in ${elapsed} s; the 8 streams in flight finished"
+
+# Tensor parallelism: two ranks, the same answers and checks, then SIGTERM: every rank exits 0.
+start_server --max-running 4 --nproc 2
+echo "server with 2 tensor-parallel ranks at $url"
+if ! node "$here/openai_client_test.js" "$url" sk-test "$work/expected.json" "$image"; then
+  echo "--- server log (tail)"; tail -n 30 "$work/serve.err"; kill "$server"; exit 1
+fi
+grep -q "tensor-parallel ranks 2" "$work/serve.err" || { echo "FAIL: the server did not run 2 ranks"; exit 1; }
+kill -TERM "$server"
+status=0
+wait "$server" || status=$?
+[ "$status" = 0 ] || { echo "FAIL: vlmgen-serve --nproc 2 exited with $status after SIGTERM"; tail -n 20 "$work/serve.err"; exit 1; }
+echo "OK tensor parallel: the client's checks passed on 2 ranks; SIGTERM: exit 0"

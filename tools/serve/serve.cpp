@@ -18,6 +18,7 @@
 #include <condition_variable>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <map>
@@ -30,6 +31,7 @@
 #include <vector>
 
 #include "openai_protocol.h"
+#include "vlmgen/distributed/launch.h"
 #include "vlmgen/engine/engine.h"
 #include "vlmgen/error.h"
 #include "vlmgen/image/image.h"
@@ -66,7 +68,14 @@ struct Options {
   std::string allow_local_images;
   double grace_seconds = 10.0;
   int threads = 64;
+  int nproc = 1;
+  int64_t timeout_s = 600;
 };
+
+// Every rank's engine gets these (a tensor-parallel engine's ranks must agree on them).
+EngineOptions engine_options(const Options& o) {
+  return EngineOptions().max_running(o.max_running).kv_cache_bytes(o.kv_cache_bytes);
+}
 
 /// A Prometheus histogram with fixed upper bounds.
 class Histogram {
@@ -182,24 +191,26 @@ std::string sse(const Json& j) { return "data: " + j.dump() + "\n\n"; }
 
 class Server {
  public:
-  explicit Server(const Options& options) : options_(options) {
-    model_ = QwenVl::from_checkpoint(options.model, ParallelContext::single(), load_options_for_dtype(options.dtype));
+  Server(const Options& options, const ParallelContext& parallel) : options_(options) {
+    model_ = QwenVl::from_checkpoint(options.model, parallel, load_options_for_dtype(options.dtype));
     tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_pretrained(options.model));
     std::string source;
     auto image_options = checkpoint_image_processor(options.model, model_->config(), &source);
     processor_ =
         std::make_unique<ChatProcessor>(ChatProcessor::from_pretrained(options.model, *tokenizer_, image_options));
     end_ids_ = end_token_ids_from_pretrained(options.model, *tokenizer_);
-    engine_ = std::make_unique<Engine>(
-        *model_, EngineOptions().max_running(options.max_running).kv_cache_bytes(options.kv_cache_bytes));
+    engine_ = std::make_unique<Engine>(*model_, engine_options(options), parallel);
     limits_.default_max_tokens = options.default_max_tokens;
     if (!options.allow_local_images.empty()) limits_.local_image_dir = options.allow_local_images;
     model_name_ =
         options.model_name.empty() ? std::filesystem::path(options.model).filename().string() : options.model_name;
     if (model_name_.empty()) model_name_ = "vlmgen";
-    fmt::print(stderr, "[serve] model {} ({}, {} layers, vocab {}); chat template {}; images: {}; end tokens {}\n",
+    fmt::print(stderr,
+               "[serve] model {} ({}, {} layers, vocab {}, tensor-parallel ranks {}); chat template {}; images: {}; "
+               "end tokens {}\n",
                options.model, family_model_type(model_->config().family), model_->config().num_hidden_layers,
-               tokenizer_->vocab_size(), processor_->chat_template().name(), source, fmt::join(end_ids_, ","));
+               tokenizer_->vocab_size(), parallel.tp_size(), processor_->chat_template().name(), source,
+               fmt::join(end_ids_, ","));
   }
 
   void install(httplib::Server& svr) {
@@ -227,8 +238,14 @@ class Server {
       }
       count_status(res.status);
     });
-    svr.Get("/health", [](const httplib::Request&, httplib::Response& res) {
-      res.set_content("{\"status\":\"ok\"}", "application/json");
+    svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+      const std::string broken = engine_->broken();  // the tensor-parallel ranks no longer step together
+      if (broken.empty()) {
+        res.set_content("{\"status\":\"ok\"}", "application/json");
+        return;
+      }
+      res.status = 503;
+      res.set_content(Json{{"status", "broken"}, {"reason", broken}}.dump(), "application/json");
     });
     svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
       Json body = {
@@ -323,6 +340,11 @@ class Server {
       try {
         completion->handle = engine_->submit(std::move(request), config);
       } catch (const Error& e) {
+        const std::string broken = engine_->broken();
+        if (!broken.empty()) {
+          throw ApiError(503, "the server cannot serve requests any more: " + broken, "", "server_error",
+                         "engine_stopped");
+        }
         throw ApiError(400, e.what(), "messages");
       }
       {
@@ -567,6 +589,18 @@ class Server {
 std::atomic<int> g_signal{0};
 extern "C" void on_signal(int sig) { g_signal.store(sig); }
 
+// A rank other than 0 under --nproc: its shard of the model and an engine that runs rank 0's
+// plans, until rank 0's engine stops. Signals (the launcher passes them to every rank) are
+// left to rank 0, which drains and then stops the engines.
+int follow(const Options& o, const ParallelContext& parallel) {
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
+  auto model = QwenVl::from_checkpoint(o.model, parallel, load_options_for_dtype(o.dtype));
+  Engine engine(*model, engine_options(o), parallel);
+  engine.join();
+  return 0;
+}
+
 }  // namespace
 }  // namespace vlmgen::serve
 
@@ -612,10 +646,38 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads, "HTTP worker threads (connections served at once)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_option("--nproc", o.nproc,
+                 "tensor-parallel ranks to start on this machine (rank 0 serves HTTP and schedules; the others run "
+                 "its plan)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--timeout", o.timeout_s, "seconds a rank waits for its peers")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
 
+  const bool in_a_launch = std::getenv("RANK") != nullptr || std::getenv("WORLD_SIZE") != nullptr;
   try {
-    Server server(o);
+    vlmgen::LaunchOptions launch;
+    launch.timeout = std::chrono::hours(24 * 365);
+    launch.forward_signals = true;  // rank 0 drains on SIGTERM, then every rank exits
+    if (auto status = vlmgen::relaunch_as_local_ranks(o.nproc, argc, argv, launch)) return *status;
+  } catch (const vlmgen::Error& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  }
+  try {
+    vlmgen::ParallelContext parallel = vlmgen::ParallelContext::single();
+    if (in_a_launch) {
+      parallel =
+          vlmgen::init_parallel_from_env(0, vlmgen::DistributedOptions().timeout(std::chrono::seconds(o.timeout_s)));
+    }
+    if (parallel.tp_rank() != 0) return follow(o, parallel);
+    // From here a signal drains the server once it listens (the launcher passes signals on to
+    // every rank, possibly while the model still loads).
+    std::signal(SIGINT, on_signal);
+    std::signal(SIGTERM, on_signal);
+    Server server(o, parallel);
     httplib::Server svr;
     const int threads = o.threads;
     svr.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
@@ -625,8 +687,6 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "error: cannot listen on {}:{}\n", o.host, o.port);
       return 1;
     }
-    std::signal(SIGINT, on_signal);
-    std::signal(SIGTERM, on_signal);
     std::signal(SIGPIPE, SIG_IGN);
     std::thread watcher([&] {
       while (g_signal.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -657,7 +717,7 @@ int main(int argc, char** argv) {
     if (g_signal.load() == 0) g_signal.store(-1);  // listen ended on its own: let the watcher go
     watcher.join();
     fmt::print(stderr, "[serve] stopped\n");
-  } catch (const vlmgen::Error& e) {
+  } catch (const std::exception& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return 1;
   }

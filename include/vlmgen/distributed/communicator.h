@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 namespace vlmgen {
@@ -48,5 +49,16 @@ class Communicator {
   /// What carries the collectives ("gloo", "nccl+gloo", "store", ...), for logs and errors.
   virtual std::string backend_name() const { return "custom"; }
 };
+
+/// Replaces `bytes` on every rank by rank `root`'s (two broadcasts: the length, then the bytes).
+inline void broadcast_bytes(Communicator& group, std::string& bytes, int64_t root) {
+  at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+  group.broadcast(size, root);
+  const int64_t n = size.item<int64_t>();
+  at::Tensor data = at::empty({n}, at::kByte);
+  if (group.rank() == root && n > 0) std::memcpy(data.data_ptr(), bytes.data(), static_cast<size_t>(n));
+  group.broadcast(data, root);
+  bytes.assign(static_cast<const char*>(data.data_ptr()), static_cast<size_t>(n));
+}
 
 }  // namespace vlmgen

@@ -114,6 +114,10 @@ struct LaunchOptions {
   std::vector<std::pair<std::string, std::string>> env;
   /// After a failure, how long the other ranks get between SIGTERM and SIGKILL.
   std::chrono::milliseconds kill_grace = std::chrono::seconds(2);
+  /// Pass SIGINT and SIGTERM that reach the launching process on to every rank, and keep
+  /// waiting for them (a service that drains on a signal); otherwise they end the launcher as
+  /// they would any process.
+  bool forward_signals = false;
 };
 
 /// Runs `argv` as `nproc` local processes, like `torchrun --nproc-per-node nproc`: each gets
@@ -125,6 +129,14 @@ struct LaunchOptions {
 ///
 ///   int status = vlmgen::launch_local_ranks(2, {"/usr/bin/my_service", "--model", dir});
 int launch_local_ranks(int nproc, const std::vector<std::string>& argv, const LaunchOptions& options = {});
+
+/// For a tool's main(): when `nproc` > 1 and this process is not already a rank (no RANK or
+/// WORLD_SIZE in its environment), runs this executable again with the same arguments as
+/// `nproc` local ranks (launch_local_ranks) and returns the launch's status; otherwise nullopt,
+/// and the caller goes on as a rank (or alone).
+///
+///   if (auto status = vlmgen::relaunch_as_local_ranks(nproc, argc, argv)) return *status;
+std::optional<int> relaunch_as_local_ranks(int nproc, int argc, char** argv, LaunchOptions options = {});
 
 /// A TCP port that is free on `host` right now (the OS picks it). Another process may take it
 /// before it is used; the launcher accepts that small race, as torchrun does.

@@ -16,11 +16,21 @@
 // together (CausalVlm::forward_batch: each call keeps its own window, cache, mask and positions;
 // a model that fuses them reads its weights once per step for all); a request's prefill or a
 // no-cache recompute (which carries its images) is a call of its own.
+//
+// Under tensor parallelism every rank builds an Engine over its shard of the model with the
+// model's ParallelContext. Rank 0 takes the requests and schedules; before each step it sends the
+// others its plan (admitted requests with their prompts, images and options; cancellations
+// taking effect), and every rank runs that step, so all make the same forward calls and sample
+// the same tokens. The other ranks call join(), which returns when rank 0's engine shuts down.
+//
+//   vlmgen::Engine engine(model, options, parallel);
+//   if (parallel.tp_rank() != 0) engine.join();   // rank 0 submits as above
 
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -30,16 +40,20 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "vlmgen/distributed/communicator.h"
 #include "vlmgen/engine/encoder_cache.h"
 #include "vlmgen/engine/prefix_cache.h"
+#include "vlmgen/engine/step_plan.h"
 #include "vlmgen/error.h"
 #include "vlmgen/model.h"
 #include "vlmgen/parallel.h"
 #include "vlmgen/request.h"
+#include "vlmgen/step/rank_agreement.h"
 #include "vlmgen/step/request_stepper.h"
 
 namespace vlmgen {
@@ -94,6 +108,14 @@ class EngineOptions {
     return *this;
   }
   int64_t prefill_columns_per_step() const { return prefill_columns_per_step_; }
+  /// Under tensor parallelism: the longest rank 0 stays silent while idle (> 0). It then sends
+  /// an empty plan, so the other ranks, waiting for the next step, do not reach their
+  /// communicator's timeout. Default 1000 ms.
+  EngineOptions& idle_plan_interval(std::chrono::milliseconds value) {
+    idle_plan_interval_ = value;
+    return *this;
+  }
+  std::chrono::milliseconds idle_plan_interval() const { return idle_plan_interval_; }
 
  private:
   int64_t max_running_ = 16;
@@ -103,6 +125,7 @@ class EngineOptions {
   int64_t prefix_block_columns_ = 16;
   int64_t kv_block_columns_ = 16;
   int64_t prefill_columns_per_step_ = 512;
+  std::chrono::milliseconds idle_plan_interval_{1000};
 };
 
 /// What the engine is doing, read at any time from any thread.
@@ -159,11 +182,14 @@ class RequestHandle {
 class Engine {
  public:
   /// Starts the step loop on its own thread. `model` must outlive the engine and is used only
-  /// by that thread.
-  explicit Engine(CausalVlm& model, EngineOptions options = EngineOptions())
+  /// by that thread. Under tensor parallelism `parallel` is the model's ParallelContext, and
+  /// every rank builds its Engine with the same options.
+  explicit Engine(CausalVlm& model, EngineOptions options = EngineOptions(),
+                  ParallelContext parallel = ParallelContext::single())
       : model_(model),
         options_(options),
-        parallel_(ParallelContext::single()),
+        parallel_(std::move(parallel)),
+        leads_(parallel_.tp_rank() == 0),
         encoder_cache_(std::max<int64_t>(options.encoder_cache_bytes(), 0)),
         prefix_cache_(std::max<int64_t>(options.prefix_block_columns(), 1),
                       std::max<int64_t>(options.prefix_cache_bytes(), 0)) {
@@ -176,12 +202,18 @@ class Engine {
     VLMGEN_CHECK(options.kv_block_columns() >= 1, "kv_block_columns must be >= 1, got {}", options.kv_block_columns());
     VLMGEN_CHECK(options.prefill_columns_per_step() >= 0, "prefill_columns_per_step must be >= 0, got {}",
                  options.prefill_columns_per_step());
+    VLMGEN_CHECK(options.idle_plan_interval().count() > 0, "idle_plan_interval must be > 0 ms, got {}",
+                 options.idle_plan_interval().count());
+    VLMGEN_CHECK(parallel_.tp_size() == 1 || parallel_.tp_group() != nullptr,
+                 "a tensor-parallel engine of {} ranks needs the group's communicator", parallel_.tp_size());
     metrics_.kv_bytes_budget = options.kv_cache_bytes();
     metrics_.kv_blocks_total = block_bytes() > 0 ? options.kv_cache_bytes() / block_bytes() : 0;
-    loop_ = std::thread([this] { run(); });
+    loop_ = std::thread([this] { leads_ ? lead() : follow(); });
   }
   /// Cancels what is waiting or running, lets those requests end (with kCancelled), and stops
-  /// the loop.
+  /// the loop (on rank 0 of a tensor-parallel engine, the other ranks' loops too). On another
+  /// rank, returns once rank 0's engine has stopped; destroyed before it, it stops at the next
+  /// plan and rank 0's following step fails with its communicator's error.
   ~Engine() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -200,6 +232,10 @@ class Engine {
   /// once when the request's KV cache alone exceeds the budget; every other check runs when it
   /// is admitted, and its error ends the request (wait() rethrows it).
   std::shared_ptr<RequestHandle> submit(GenerateRequest request, GenerationConfig config) {
+    VLMGEN_CHECK(leads_,
+                 "this engine is rank {} of a tensor-parallel group of {} and runs rank 0's plan; submit requests to "
+                 "rank 0's engine",
+                 parallel_.tp_rank(), parallel_.tp_size());
     VLMGEN_CHECK(request.context == nullptr,
                  "an engine request cannot bring its own InferenceContext; the engine allocates each request's");
     const int64_t need = kv_blocks_needed(request, config);
@@ -212,11 +248,31 @@ class Engine {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       VLMGEN_CHECK(!stopping_, "the engine is shutting down");
-      waiting_.push_back(Waiting{std::move(request), std::move(config), handle, need, detail::Clock::now()});
+      VLMGEN_CHECK(broken_.empty(), "the engine stopped: {}", broken_);
+      waiting_.push_back(
+          Waiting{std::move(request), std::move(config), handle, need, detail::Clock::now(), next_id_++});
       metrics_.waiting = static_cast<int64_t>(waiting_.size());
     }
     wake_.notify_all();
     return handle;
+  }
+
+  /// Rank 0 of a tensor-parallel engine whose ranks can no longer step together (a rank died,
+  /// drifted, or failed alone): why, and submit refuses requests from then on. Empty while it
+  /// works (always, without tensor parallelism).
+  std::string broken() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return broken_;
+  }
+
+  /// On a rank other than 0 of a tensor-parallel engine: blocks while the engine runs rank 0's
+  /// plans, and returns when rank 0's engine stops; rethrows the error that ended the loop
+  /// early (a failed collective, a rank whose state drifted from rank 0's).
+  void join() {
+    VLMGEN_CHECK(!leads_, "join() is for the ranks that run rank 0's plan; this engine is rank 0 and takes requests");
+    std::unique_lock<std::mutex> lock(mutex_);
+    ended_.wait(lock, [&] { return followed_; });
+    if (follow_error_) std::rethrow_exception(follow_error_);
   }
 
   EngineMetrics metrics() const {
@@ -239,14 +295,26 @@ class Engine {
     std::shared_ptr<RequestHandle> handle;
     int64_t kv_blocks;
     detail::Clock::time_point submitted;
+    uint64_t id;  // rank 0 numbers requests in submit order; the plans name them by it
+  };
+  struct CallbackAnswers {
+    std::vector<int64_t> cancelled_rows;
+    std::exception_ptr error;
   };
   struct Running {
+    uint64_t id = 0;
+    // What the stepper reads: set at a step boundary, from the handle on rank 0 and from rank
+    // 0's plan elsewhere, so every rank stops the request at the same step.
+    std::unique_ptr<std::atomic<bool>> cancel;
     std::unique_ptr<InferenceContext> context;  // seeded from the prefix cache (else the stepper's own)
     std::unique_ptr<detail::RequestStepper> stepper;
     std::shared_ptr<RequestHandle> handle;
-    int64_t kv_blocks;
+    int64_t kv_blocks = 0;
     std::vector<ContentHash> prefix_keys;  // blocks to cache once the prompt is computed
     double queued_s = 0;                   // from submit to the stepper's start
+    // Rank 0 of a tensor-parallel engine: what the request's streaming callback answered during
+    // a step, sent with the next plan and applied on every rank at that step boundary.
+    std::shared_ptr<CallbackAnswers> answers;
   };
 
   static int64_t columns_needed(const GenerateRequest& request, const GenerationConfig& config) {
@@ -280,32 +348,270 @@ class Engine {
     return admitted;
   }
 
-  void run() {
+  bool has_followers() const { return parallel_.tp_size() > 1; }
+
+  // Rank 0's loop (the only one without tensor parallelism): admits, plans, sends the plan to
+  // the other ranks, steps.
+  void lead() {
     c10::InferenceMode inference_mode;  // as in Generator::generate
     std::list<Running> running;         // only this thread touches it
     while (true) {
       std::vector<Waiting> admitted;
+      bool stop = false;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return stopping_ || !running.empty() || !waiting_.empty(); });
+        const auto ready = [&] { return stopping_ || !running.empty() || !waiting_.empty(); };
+        if (!has_followers()) {
+          wake_.wait(lock, ready);
+        } else if (!wake_.wait_for(lock, options_.idle_plan_interval(), ready)) {
+          lock.unlock();  // idle: an empty plan keeps the other ranks' communicators alive
+          detail::StepPlan idle;
+          idle.state = state(running);
+          std::vector<Waiting> none;
+          if (!send(idle, running, none)) return;
+          continue;
+        }
         if (stopping_) {
           for (Running& r : running) r.handle->cancel();
-          if (running.empty() && waiting_.empty()) return;
+          stop = running.empty() && waiting_.empty();
         }
-        admitted = admit(static_cast<int64_t>(running.size()));
+        if (!stop) admitted = admit(static_cast<int64_t>(running.size()));
       }
-      for (Waiting& w : admitted) start(std::move(w), running);
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        metrics_.running = static_cast<int64_t>(running.size());
-        metrics_.max_running_seen = std::max(metrics_.max_running_seen, metrics_.running);
-        if (!running.empty()) ++metrics_.steps;
+      detail::StepPlan plan;
+      plan.stop = stop;
+      plan.state = state(running);
+      for (const Running& r : running) {
+        if (r.handle->cancel_.load() && !r.cancel->load()) plan.cancelled.push_back(r.id);
+        if (r.answers == nullptr) continue;
+        for (int64_t row : r.answers->cancelled_rows) plan.cancelled_rows.push_back({r.id, row});
+        r.answers->cancelled_rows.clear();
+        if (r.answers->error) plan.failed.push_back(r.id);
       }
-      if (running.empty()) continue;
-      const auto t = detail::Clock::now();
-      step_all(running);
+      std::vector<Waiting> starting;
+      for (Waiting& w : admitted) {
+        if (w.handle->cancel_.load()) {  // cancelled while waiting: ends without running
+          GenerationResult result;
+          result.sequences.resize(w.request.prompts.size());
+          for (auto& s : result.sequences) s.finish_reason = FinishReason::kCancelled;
+          end(w.kv_blocks, /*failed=*/false, 0);
+          w.handle->promise_.set_value(std::move(result));
+          continue;
+        }
+        if (has_followers()) {
+          try {
+            detail::ByteWriter bytes;
+            detail::write_request(bytes, w.request, w.config);
+            plan.admitted.emplace_back(w.id, std::move(bytes.bytes()));
+          } catch (...) {
+            end(w.kv_blocks, /*failed=*/true, 0);
+            w.handle->promise_.set_exception(std::current_exception());
+            continue;
+          }
+        }
+        starting.push_back(std::move(w));
+      }
+      if (has_followers() && !send(plan, running, starting)) return;
+      if (stop) return;
+      try {
+        run_step(running, plan, std::move(starting));
+      } catch (const std::exception& e) {  // the ranks disagree, or their collectives failed
+        std::vector<Waiting> none;
+        abandon(fmt::format("the tensor-parallel ranks can no longer step together: {}", e.what()), running, none);
+        return;
+      }
+    }
+  }
+
+  // Sends rank 0's plan to the other ranks. When that fails (a rank died or fell silent), the
+  // engine cannot step again: every request (running, admitted by this plan, or waiting) ends
+  // with the error, and submit refuses new ones. `starting` is given back on success.
+  bool send(const detail::StepPlan& plan, std::list<Running>& running, std::vector<Waiting>& starting) {
+    try {
+      std::string bytes = plan.encode();
+      broadcast_bytes(*parallel_.tp_group(), bytes, 0);
+      return true;
+    } catch (const std::exception& e) {
+      abandon(fmt::format("sending a step plan to the other tensor-parallel ranks failed: {}", e.what()), running,
+              starting);
+      return false;
+    }
+  }
+
+  // Rank 0 stops for good: every request (running, starting, or waiting) ends with `why`, and
+  // submit refuses new ones.
+  void abandon(const std::string& why, std::list<Running>& running, std::vector<Waiting>& starting) {
+    const auto error = std::make_exception_ptr(Error(why));
+    std::deque<Waiting> waiting;
+    {  // first: from now on submit refuses, so nothing queues behind the requests ended below
+      std::lock_guard<std::mutex> lock(mutex_);
+      broken_ = why;
+      waiting.swap(waiting_);
+      metrics_.waiting = 0;
+    }
+    while (!running.empty()) fail(running, running.begin(), error);
+    for (Waiting& w : starting) {
+      end(w.kv_blocks, /*failed=*/true, 0);
+      w.handle->promise_.set_exception(error);
+    }
+    starting.clear();
+    for (Waiting& w : waiting) {
+      end(0, /*failed=*/true, 0);
+      w.handle->promise_.set_exception(error);
+    }
+  }
+
+  // The loop of the other ranks: receives rank 0's plan, checks it starts from this rank's
+  // state, and runs the same step.
+  void follow() {
+    c10::InferenceMode inference_mode;
+    std::list<Running> running;
+    std::exception_ptr error;
+    try {
+      while (true) {
+        std::string bytes;
+        broadcast_bytes(*parallel_.tp_group(), bytes, 0);
+        const detail::StepPlan plan = detail::StepPlan::decode(bytes);
+        if (plan.stop) break;
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          VLMGEN_CHECK(!stopping_,
+                       "the engine of rank {} was destroyed while rank 0's still runs; rank 0's next step will fail",
+                       parallel_.tp_rank());
+        }
+        const detail::StepState mine = state(running);
+        VLMGEN_CHECK(mine.values == plan.state.values,
+                     "rank {}'s engine drifted from rank 0's: before this step {} (this rank vs rank 0); every rank "
+                     "must build its engine with the same options",
+                     parallel_.tp_rank(), mine.differences(plan.state));
+        std::vector<Waiting> admitted;
+        for (const auto& [id, request_bytes] : plan.admitted) {
+          detail::ByteReader reader(request_bytes);
+          auto [request, config] = detail::read_request(reader, model_.device());
+          const int64_t blocks = kv_blocks_needed(request, config);
+          {
+            std::lock_guard<std::mutex> lock(mutex_);
+            metrics_.kv_blocks_used += blocks;
+            metrics_.kv_bytes_used = metrics_.kv_blocks_used * block_bytes();
+          }
+          admitted.push_back(Waiting{std::move(request), std::move(config),
+                                     std::shared_ptr<RequestHandle>(new RequestHandle()), blocks, detail::Clock::now(),
+                                     id});
+        }
+        run_step(running, plan, std::move(admitted));
+      }
+    } catch (...) {
+      error = std::current_exception();
+    }
+    while (!running.empty()) retire(running, running.begin(), /*failed=*/true, 0);
+    std::lock_guard<std::mutex> lock(mutex_);
+    follow_error_ = error;
+    followed_ = true;
+    ended_.notify_all();
+  }
+
+  // What both sides of a plan compute before a step and compare: the options that steer
+  // scheduling and the caches, the running requests in order, the caches' contents and the
+  // counters the step loop moves. Equal caches answer the step's lookups alike.
+  detail::StepState state(const std::list<Running>& running) const {
+    uint64_t ids = 1469598103934665603ULL;  // FNV-1a over the running ids, in order
+    for (const Running& r : running) ids = (ids ^ r.id) * 1099511628211ULL;
+    const EncoderCache::Stats encoded = encoder_cache_.stats();
+    const PrefixCache::Stats prefixes = prefix_cache_.stats();
+    std::lock_guard<std::mutex> lock(mutex_);
+    return {{options_.kv_block_columns(), options_.prefix_block_columns(), options_.prefix_cache_bytes(),
+             options_.encoder_cache_bytes(), options_.prefill_columns_per_step(), static_cast<int64_t>(running.size()),
+             static_cast<int64_t>(ids >> 1), metrics_.generated_tokens, prefixes.hits, prefixes.hit_columns,
+             prefixes.entries, prefixes.bytes, prefixes.evictions, encoded.hits, encoded.misses, encoded.entries,
+             encoded.bytes, encoded.evictions}};
+  }
+
+  // Applies a plan's cancellations and callback answers, starts its requests, and steps every
+  // running request.
+  void run_step(std::list<Running>& running, const detail::StepPlan& plan, std::vector<Waiting> admitted) {
+    const auto named = [](const std::vector<uint64_t>& ids, uint64_t id) {
+      return std::find(ids.begin(), ids.end(), id) != ids.end();
+    };
+    for (auto it = running.begin(); it != running.end();) {
+      if (named(plan.failed, it->id)) {
+        const std::exception_ptr error =
+            it->answers != nullptr && it->answers->error
+                ? it->answers->error
+                : std::make_exception_ptr(Error(fmt::format("request {} ended: its streaming callback on rank 0 threw",
+                                                            static_cast<int64_t>(it->id))));
+        it = fail(running, it, error);
+        continue;
+      }
+      if (named(plan.cancelled, it->id)) it->cancel->store(true);
+      std::vector<int64_t> rows;
+      for (const detail::RowCancel& c : plan.cancelled_rows) {
+        if (c.id == it->id) rows.push_back(c.row);
+      }
+      try {
+        if (!rows.empty()) it->stepper->cancel_rows(rows);
+      } catch (...) {
+        it = fail(running, it, std::current_exception());
+        continue;
+      }
+      ++it;
+    }
+    std::vector<uint64_t> not_started;
+    for (Waiting& w : admitted) {
+      const uint64_t id = w.id;
+      if (!start(std::move(w), running)) not_started.push_back(id);
+    }
+    if (has_followers() && !admitted.empty()) agree_on_starts(running, not_started, admitted.size());
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      metrics_.running = static_cast<int64_t>(running.size());
+      metrics_.max_running_seen = std::max(metrics_.max_running_seen, metrics_.running);
+      if (!running.empty()) ++metrics_.steps;
+    }
+    if (running.empty()) return;
+    const auto t = detail::Clock::now();
+    failed_in_step_.clear();
+    step_all(running);
+    {
       std::lock_guard<std::mutex> lock(mutex_);
       metrics_.busy_s += detail::seconds_between(t, detail::Clock::now());
+    }
+    if (has_followers()) {
+      // A request that failed on some ranks only (memory, a device error) has split the ranks'
+      // collectives: no later step can be trusted.
+      std::sort(failed_in_step_.begin(), failed_in_step_.end());
+      Sha256 sha;
+      for (uint64_t id : failed_in_step_) sha.update_int(static_cast<int64_t>(id));
+      detail::check_ranks_agree(*parallel_.tp_group(), sha.finish(), at::kCPU, "sets of requests failing in one step",
+                                "a request failed on some ranks only (memory, a device error), so their collectives "
+                                "no longer pair up; the engine stops");
+    }
+  }
+
+  // Under tensor parallelism, after the plan's requests started: one that failed to start on
+  // any rank (its KV cache did not fit there, say) ends on every rank before any of them makes
+  // a forward call. `not_started` lists the plan's requests that failed here, of `admitted`.
+  void agree_on_starts(std::list<Running>& running, const std::vector<uint64_t>& not_started, size_t admitted) {
+    // Ids + 1 (0: no entry), below 2^40: exact in float64 on any backend.
+    at::Tensor mine = at::zeros({1, static_cast<int64_t>(admitted)}, at::kDouble);
+    for (size_t i = 0; i < not_started.size(); ++i) {
+      mine[0][static_cast<int64_t>(i)] = static_cast<double>(not_started[i] % (uint64_t{1} << 40) + 1);
+    }
+    const at::Tensor all = parallel_.tp_group()->all_gather(mine, 0).to(at::kCPU).contiguous();
+    std::vector<uint64_t> anywhere;
+    const double* ids = all.data_ptr<double>();
+    for (int64_t i = 0; i < all.numel(); ++i) {
+      if (ids[i] > 0) anywhere.push_back(static_cast<uint64_t>(ids[i]) - 1);
+    }
+    if (anywhere.empty()) return;
+    for (auto it = running.begin(); it != running.end();) {
+      if (std::find(anywhere.begin(), anywhere.end(), it->id % (uint64_t{1} << 40)) == anywhere.end()) {
+        ++it;
+        continue;
+      }
+      it = fail(running, it,
+                std::make_exception_ptr(Error(fmt::format(
+                    "request {} could not start on every tensor-parallel rank (another rank refused it, e.g. its KV "
+                    "cache did not fit there); it ended on every rank",
+                    static_cast<int64_t>(it->id)))));
     }
   }
 
@@ -365,23 +671,32 @@ class Engine {
   }
 
   // Builds a request's stepper (outside the lock: validation and allocation take time). A
-  // request cancelled while waiting ends without running; one that fails to start ends with
-  // its error.
-  void start(Waiting w, std::list<Running>& running) {
-    if (w.handle->cancel_.load()) {
-      GenerationResult result;
-      result.sequences.resize(w.request.prompts.size());
-      for (auto& s : result.sequences) s.finish_reason = FinishReason::kCancelled;
-      end(w.kv_blocks, /*failed=*/false, 0);
-      w.handle->promise_.set_value(std::move(result));
-      return;
-    }
-    w.request.cancel = &w.handle->cancel_;
+  // request that fails to start ends with its error (false).
+  bool start(Waiting w, std::list<Running>& running) {
     const bool want_kv = w.config.enable_kv_cache();
     const ReplayMode replay = w.config.replay_mode();
     const ModelTraits& traits = model_.traits();
     try {
-      Running r{nullptr, nullptr, w.handle, w.kv_blocks, {}, 0.0};
+      Running r;
+      r.id = w.id;
+      r.cancel = std::make_unique<std::atomic<bool>>(false);
+      r.handle = w.handle;
+      r.kv_blocks = w.kv_blocks;
+      w.request.cancel = r.cancel.get();
+      if (has_followers() && w.request.on_token) {
+        // The other ranks have no callback: its answers reach them with the next plan, and
+        // here take effect at the same step boundary.
+        r.answers = std::make_shared<CallbackAnswers>();
+        w.request.on_token = [user = std::move(w.request.on_token), answers = r.answers](const TokenEvent& event) {
+          if (answers->error) return true;
+          try {
+            if (!user(event)) answers->cancelled_rows.push_back(event.row);
+          } catch (...) {
+            answers->error = std::current_exception();
+          }
+          return true;
+        };
+      }
       if (options_.prefix_cache_bytes() > 0 && want_kv && traits.supports_kv_cache && w.request.prompts.size() == 1) {
         seed_from_prefix_cache(w, r);
       }
@@ -399,9 +714,11 @@ class Engine {
           options_.encoder_cache_bytes() > 0 ? &encoder_cache_ : nullptr, /*record_images=*/!r.prefix_keys.empty());
       r.stepper->set_prefill_columns_per_step(options_.prefill_columns_per_step());
       running.push_back(std::move(r));
+      return true;
     } catch (...) {
       end(w.kv_blocks, /*failed=*/true, 0);
       w.handle->promise_.set_exception(std::current_exception());
+      return false;
     }
   }
 
@@ -438,6 +755,14 @@ class Engine {
       return fail(running, it, std::current_exception());
     }
     const int64_t tokens = result.stats.generated_tokens;
+    if (it->answers != nullptr && it->answers->error) {
+      // The streaming callback threw during the request's last step: it ends with that error,
+      // as with Generator (the other ranks count it finished; the same tokens either way).
+      const std::exception_ptr error = it->answers->error;
+      const auto next = retire(running, it, /*failed=*/true, tokens);
+      handle->promise_.set_exception(error);
+      return next;
+    }
     if (tokens > 0) {  // from submit: the wait for admission counts
       std::lock_guard<std::mutex> lock(mutex_);
       metrics_.time_to_first_token_s_sum += it->queued_s + result.stats.time_to_first_token_s;
@@ -450,6 +775,7 @@ class Engine {
 
   std::list<Running>::iterator fail(std::list<Running>& running, std::list<Running>::iterator it,
                                     const std::exception_ptr& error) {
+    failed_in_step_.push_back(it->id);
     std::shared_ptr<RequestHandle> handle = it->handle;
     const auto next = retire(running, it, /*failed=*/true, 0);
     handle->promise_.set_exception(error);
@@ -476,6 +802,7 @@ class Engine {
   CausalVlm& model_;
   const EngineOptions options_;
   const ParallelContext parallel_;
+  const bool leads_;  // rank 0 (or no tensor parallelism): takes requests and plans the steps
   EncoderCache encoder_cache_;
   PrefixCache prefix_cache_;
   mutable std::mutex mutex_;
@@ -483,6 +810,12 @@ class Engine {
   std::deque<Waiting> waiting_;  // guarded by mutex_
   bool stopping_ = false;        // guarded by mutex_
   EngineMetrics metrics_;        // guarded by mutex_
+  uint64_t next_id_ = 0;         // guarded by mutex_
+  std::string broken_;           // guarded by mutex_: why rank 0 can no longer plan steps
+  std::condition_variable ended_;
+  bool followed_ = false;                 // guarded by mutex_: a following rank's loop has ended
+  std::exception_ptr follow_error_;       // guarded by mutex_: what ended it early
+  std::vector<uint64_t> failed_in_step_;  // the loop thread's: requests failed since the step began
   std::thread loop_;
 };
 

@@ -19,8 +19,9 @@ namespace vlmgen::detail {
 
 /// Gathers `digest` from every rank of `group` (on `device`, which the communicator's backend
 /// must accept) and throws vlmgen::Error on every rank when they differ. `what` names the
-/// thing compared, for the message.
-inline void check_ranks_agree(Communicator& group, const ContentHash& digest, at::Device device, const char* what) {
+/// thing compared, for the message; `advice` ends it.
+inline void check_ranks_agree(Communicator& group, const ContentHash& digest, at::Device device, const char* what,
+                              const char* advice = "every rank must call with the same prompts, images and options") {
   // Eight 4-byte words, each below 2^32: exact in float64 on any backend.
   std::vector<double> words(8);
   for (size_t i = 0; i < 8; ++i) {
@@ -35,9 +36,8 @@ inline void check_ranks_agree(Communicator& group, const ContentHash& digest, at
   }
   if (differ.empty()) return;
   VLMGEN_FAIL(
-      "tensor-parallel ranks were given different {}: rank(s) [{}] differ from rank 0 (this is rank {} of "
-      "{}); every rank must call with the same prompts, images and options",
-      what, fmt::join(differ, ", "), group.rank(), group.size());
+      "tensor-parallel ranks were given different {}: rank(s) [{}] differ from rank 0 (this is rank {} of {}); {}",
+      what, fmt::join(differ, ", "), group.rank(), group.size(), advice);
 }
 
 }  // namespace vlmgen::detail

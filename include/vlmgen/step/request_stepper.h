@@ -158,6 +158,13 @@ class RequestStepper {
     return std::move(result_);
   }
 
+  /// Ends these rows (those still generating) with kCancelled before the next step, as their
+  /// streaming callback returning false would have: an engine under tensor parallelism applies
+  /// the answers of rank 0's callbacks on every rank at a step boundary.
+  void cancel_rows(const std::vector<int64_t>& rows) {
+    for (int64_t row : rows) rows_->cancel_row(row, result_.sequences);
+  }
+
   /// Prompt columns computed per step() at most (0, the default: the whole prompt in the first
   /// step). A chunk never ends inside an image (WindowRunner::prefill).
   void set_prefill_columns_per_step(int64_t columns) { prefill_columns_per_step_ = std::max<int64_t>(columns, 0); }

@@ -25,6 +25,7 @@ class SequenceState {
       : config_(config),
         batch_(layout.batch),
         total_(layout.total),
+        prompt_len_(layout.prompt_len),
         active_(static_cast<size_t>(layout.batch), true),
         on_host_(device.is_cpu()) {
     tokens_ = at::full({batch_, total_}, config.pad_token_id(), at::kLong);  // [B, total], host
@@ -60,10 +61,19 @@ class SequenceState {
     }
   }
 
+  /// Ends row `b` with kCancelled if it still generates, as its streaming callback returning
+  /// false for its last token would have.
+  void cancel_row(int64_t b, std::vector<SequenceOutput>& out) {
+    if (b < 0 || b >= batch_ || !active_[static_cast<size_t>(b)]) return;
+    out[static_cast<size_t>(b)].finish_reason = FinishReason::kCancelled;
+    finish_row(b, last_column_ >= 0 ? last_column_ : prompt_len_ - 1);
+  }
+
   /// The active rows take `chosen[b]` at column `column` (step `step`); returns how many did.
   int64_t accept(int64_t step, int64_t column, const std::vector<int64_t>& chosen, const std::vector<float>& logprobs,
                  const TokenCallback& on_token, std::vector<SequenceOutput>& out) {
     int64_t taken = 0;
+    last_column_ = column;
     for (int64_t b = 0; b < batch_; ++b) {
       if (!active_[static_cast<size_t>(b)]) continue;
       const int64_t token = chosen[static_cast<size_t>(b)];
@@ -98,7 +108,8 @@ class SequenceState {
   }
 
   const GenerationConfig& config_;
-  int64_t batch_, total_;
+  int64_t batch_, total_, prompt_len_;
+  int64_t last_column_ = -1;  // of the last tokens taken
   std::vector<bool> active_;
   bool on_host_;
   at::Tensor tokens_, mask_, tokens_dev_, mask_dev_;
