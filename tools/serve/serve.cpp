@@ -666,6 +666,10 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "error: {}\n", e.what());
     return 1;
   }
+  if (in_a_launch) {  // the launcher passes signals on to every rank, even while they connect and load
+    std::signal(SIGINT, on_signal);
+    std::signal(SIGTERM, on_signal);
+  }
   try {
     vlmgen::ParallelContext parallel = vlmgen::ParallelContext::single();
     if (in_a_launch) {

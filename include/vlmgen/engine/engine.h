@@ -426,15 +426,35 @@ class Engine {
   // engine cannot step again: every request (running, admitted by this plan, or waiting) ends
   // with the error, and submit refuses new ones. `starting` is given back on success.
   bool send(const detail::StepPlan& plan, std::list<Running>& running, std::vector<Waiting>& starting) {
+    std::vector<int64_t> refusing;
     try {
       std::string bytes = plan.encode();
       broadcast_bytes(*parallel_.tp_group(), bytes, 0);
-      return true;
+      refusing = ranks_refusing(false);
     } catch (const std::exception& e) {
       abandon(fmt::format("sending a step plan to the other tensor-parallel ranks failed: {}", e.what()), running,
               starting);
       return false;
     }
+    if (refusing.empty()) return true;
+    abandon(fmt::format("tensor-parallel rank(s) [{}] could not run rank 0's step plan (their engine drifted from "
+                        "rank 0's or was destroyed; their error says which)",
+                        fmt::join(refusing, ", ")),
+            running, starting);
+    return false;
+  }
+
+  // Under tensor parallelism, after every plan: each rank says whether it can run it. Returns
+  // the ranks that cannot, on every rank, so rank 0 stops at once rather than at a timeout (and
+  // an idle plan doubles as a check that the other ranks are alive).
+  std::vector<int64_t> ranks_refusing(bool refuse) {
+    const at::Tensor mine = at::full({1}, refuse ? 1.0 : 0.0, at::kDouble);
+    const at::Tensor all = parallel_.tp_group()->all_gather(mine, 0).to(at::kCPU).contiguous();
+    std::vector<int64_t> refusing;
+    for (int64_t r = 0; r < all.numel(); ++r) {
+      if (all.data_ptr<double>()[r] > 0) refusing.push_back(r);
+    }
+    return refusing;
   }
 
   // Rank 0 stops for good: every request (running, starting, or waiting) ends with `why`, and
@@ -471,18 +491,29 @@ class Engine {
         std::string bytes;
         broadcast_bytes(*parallel_.tp_group(), bytes, 0);
         const detail::StepPlan plan = detail::StepPlan::decode(bytes);
-        if (plan.stop) break;
-        {
-          std::lock_guard<std::mutex> lock(mutex_);
-          VLMGEN_CHECK(!stopping_,
-                       "the engine of rank {} was destroyed while rank 0's still runs; rank 0's next step will fail",
-                       parallel_.tp_rank());
+        std::string problem;
+        if (!plan.stop) {
+          bool destroyed = false;
+          {
+            std::lock_guard<std::mutex> lock(mutex_);
+            destroyed = stopping_;
+          }
+          const detail::StepState mine = state(running);
+          if (destroyed) {
+            problem = fmt::format("the engine of rank {} was destroyed while rank 0's still runs", parallel_.tp_rank());
+          } else if (mine.values != plan.state.values) {
+            problem = fmt::format(
+                "rank {}'s engine drifted from rank 0's: before this step {} (this rank vs rank 0); every rank must "
+                "build its engine with the same options",
+                parallel_.tp_rank(), mine.differences(plan.state));
+          }
         }
-        const detail::StepState mine = state(running);
-        VLMGEN_CHECK(mine.values == plan.state.values,
-                     "rank {}'s engine drifted from rank 0's: before this step {} (this rank vs rank 0); every rank "
-                     "must build its engine with the same options",
-                     parallel_.tp_rank(), mine.differences(plan.state));
+        const std::vector<int64_t> refusing = ranks_refusing(!problem.empty());
+        VLMGEN_CHECK(problem.empty(), "{}", problem);
+        VLMGEN_CHECK(refusing.empty(),
+                     "tensor-parallel rank(s) [{}] could not run rank 0's step plan; the engine stops",
+                     fmt::join(refusing, ", "));
+        if (plan.stop) break;
         std::vector<Waiting> admitted;
         for (const auto& [id, request_bytes] : plan.admitted) {
           detail::ByteReader reader(request_bytes);
@@ -531,6 +562,8 @@ class Engine {
     const auto named = [](const std::vector<uint64_t>& ids, uint64_t id) {
       return std::find(ids.begin(), ids.end(), id) != ids.end();
     };
+    const bool work = !running.empty() || !admitted.empty();  // alike on every rank (the plan's state)
+    failed_in_step_.clear();
     for (auto it = running.begin(); it != running.end();) {
       if (named(plan.failed, it->id)) {
         const std::exception_ptr error =
@@ -557,7 +590,10 @@ class Engine {
     std::vector<uint64_t> not_started;
     for (Waiting& w : admitted) {
       const uint64_t id = w.id;
-      if (!start(std::move(w), running)) not_started.push_back(id);
+      if (!start(std::move(w), running)) {
+        not_started.push_back(id);
+        failed_in_step_.push_back(id);  // where it started, agree_on_starts ends it with fail()
+      }
     }
     if (has_followers() && !admitted.empty()) agree_on_starts(running, not_started, admitted.size());
     {
@@ -566,17 +602,15 @@ class Engine {
       metrics_.max_running_seen = std::max(metrics_.max_running_seen, metrics_.running);
       if (!running.empty()) ++metrics_.steps;
     }
-    if (running.empty()) return;
-    const auto t = detail::Clock::now();
-    failed_in_step_.clear();
-    step_all(running);
-    {
+    if (!running.empty()) {
+      const auto t = detail::Clock::now();
+      step_all(running);
       std::lock_guard<std::mutex> lock(mutex_);
       metrics_.busy_s += detail::seconds_between(t, detail::Clock::now());
     }
-    if (has_followers()) {
+    if (has_followers() && work) {
       // A request that failed on some ranks only (memory, a device error) has split the ranks'
-      // collectives: no later step can be trusted.
+      // collectives: this is found after the step, and no later step can be trusted.
       std::sort(failed_in_step_.begin(), failed_in_step_.end());
       Sha256 sha;
       for (uint64_t id : failed_in_step_) sha.update_int(static_cast<int64_t>(id));
@@ -651,6 +685,9 @@ class Engine {
         fail(running, batch[0], std::current_exception());
         return;
       }
+      // Under tensor parallelism a fused pass that failed on some ranks only has split their
+      // collectives even when the calls then succeed one by one: the step's check sees this.
+      if (has_followers()) failed_in_step_.push_back(kFusedPassFailed);
       // A call failed the batch: the calls run one by one instead (nothing was committed), so
       // only the requests whose own call fails end with the error.
       for (size_t i = 0; i < batch.size(); ++i) {
@@ -813,9 +850,10 @@ class Engine {
   uint64_t next_id_ = 0;         // guarded by mutex_
   std::string broken_;           // guarded by mutex_: why rank 0 can no longer plan steps
   std::condition_variable ended_;
-  bool followed_ = false;                 // guarded by mutex_: a following rank's loop has ended
-  std::exception_ptr follow_error_;       // guarded by mutex_: what ended it early
-  std::vector<uint64_t> failed_in_step_;  // the loop thread's: requests failed since the step began
+  bool followed_ = false;                                     // guarded by mutex_: a following rank's loop has ended
+  std::exception_ptr follow_error_;                           // guarded by mutex_: what ended it early
+  std::vector<uint64_t> failed_in_step_;                      // the loop thread's: requests failed since the step began
+  static constexpr uint64_t kFusedPassFailed = ~uint64_t{0};  // in failed_in_step_: a fused pass threw
   std::thread loop_;
 };
 
