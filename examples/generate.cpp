@@ -126,8 +126,19 @@ int main(int argc, char** argv) {
   app.add_option("--temperature", temperature, "0 = greedy")->capture_default_str();
   app.add_option("--seed", seed, "sampling seed")->capture_default_str();
   int nproc = 1;
+  int64_t batch = 1;
+  std::string dtype = "f32", device = "cpu";
   bool sequence_parallel = false;
   int64_t timeout_s = 60;
+  app.add_option("--dtype", dtype, "the language model's weights: f32, bf16, f16, or fp8 (an FP8 checkpoint, CPU)")
+      ->capture_default_str();
+  app.add_option("--device", device,
+                 "cpu, cuda or cuda:N (with --nproc, 'cuda' gives each rank the device of its local rank; use "
+                 "--dtype bf16 there)")
+      ->capture_default_str();
+  app.add_option("--batch", batch, "run the prompt (with its images) as this many rows, for throughput")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--nproc", nproc, "tensor-parallel ranks to start on this machine (this program, N times)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
@@ -165,10 +176,12 @@ int main(int argc, char** argv) {
                  nproc, parallel.world_size());
     parallel.sequence_parallel(sequence_parallel);
     const bool lead = rank == 0;
-    auto model = vlmgen::QwenVl::from_checkpoint(checkpoint, parallel);
+    auto model = vlmgen::QwenVl::from_checkpoint(checkpoint, parallel, vlmgen::load_options_for(dtype, device));
     const auto& config = model->config();
     std::vector<vlmgen::Image> images;
-    for (const auto& path : image_paths) images.push_back(vlmgen::load_image(path));
+    for (int64_t row = 0; row < batch; ++row) {
+      for (const auto& path : image_paths) images.push_back(vlmgen::load_image(path));
+    }
     // The folder's own preprocessing, so the model sees what it would under HF; flags override
     // and say so.
     std::string source;
@@ -184,6 +197,7 @@ int main(int argc, char** argv) {
     }
     vlmgen::VisionInputs vision = images.empty() ? vlmgen::VisionInputs() : vlmgen::preprocess(images, options);
     std::vector<int64_t> counts = model->placeholder_counts(vision);
+    counts.resize(image_paths.size());  // the first row's; every row has the same images
     std::vector<int64_t> prompt = text_option->count() > 0 ? tokenize_prompt(text, checkpoint, config, counts)
                                                            : build_prompt(prompt_text, config, counts);
 
@@ -202,16 +216,17 @@ int main(int argc, char** argv) {
         fmt::print("tensor parallel: {} ranks, vision tower {}, sequence parallel {}\n", parallel.tp_size(),
                    model->vision_tower_sharded() ? "sharded" : "replicated", sequence_parallel ? "on" : "off");
       }
-      fmt::print("prompt: {} tokens, {} images, KV cache {}, replay {}\n", prompt.size(), images.size(),
-                 no_kv_cache ? "off" : "on", replay);
+      fmt::print("prompt: {} tokens, {} images, KV cache {}, replay {}; {} row{}, {} weights on {}\n", prompt.size(),
+                 image_paths.size(), no_kv_cache ? "off" : "on", replay, batch, batch == 1 ? "" : "s", dtype,
+                 model->device().str());
       fmt::print("tokens:");
       std::fflush(stdout);
     }
-    vlmgen::GenerateRequest request({prompt}, vision);
+    vlmgen::GenerateRequest request(std::vector<std::vector<int64_t>>(static_cast<size_t>(batch), prompt), vision);
     // Every rank chooses the same tokens; only rank 0 prints them. All return true, so the
     // ranks stay in step.
     request.on_token = [lead](const vlmgen::TokenEvent& e) {
-      if (lead) {
+      if (lead && e.row == 0) {
         fmt::print(" {}", e.token);
         std::fflush(stdout);
       }

@@ -36,6 +36,7 @@ namespace {
 struct Options {
   std::string model, prompt, system;
   std::string dtype = "f32";  // weights dtype of the language model
+  std::string device = "cpu";
   std::vector<std::string> images;
   int64_t max_new_tokens = 512, context = 4096, max_pixels = 0, min_pixels = 0;
   bool no_kv_cache = false, add_vision_id = false, quiet = false, print_ids = false;
@@ -66,7 +67,8 @@ class ChatRunner {
  public:
   ChatRunner(const Options& options, vlmgen::ParallelContext parallel)
       : options_(options), parallel_(std::move(parallel)), lead_(parallel_.rank() == 0) {
-    model_ = vlmgen::QwenVl::from_checkpoint(options.model, parallel_, vlmgen::load_options_for_dtype(options.dtype));
+    model_ = vlmgen::QwenVl::from_checkpoint(options.model, parallel_,
+                                             vlmgen::load_options_for(options.dtype, options.device));
     tokenizer_ = std::make_unique<vlmgen::Tokenizer>(vlmgen::Tokenizer::from_pretrained(options.model));
     std::string source;
     auto image_options = vlmgen::checkpoint_image_processor(options.model, model_->config(), &source);
@@ -204,6 +206,10 @@ int main(int argc, char** argv) {
                  "weights of the language model: f32, bf16 (half the bytes a decode step reads), f16, or fp8 (an FP8 "
                  "checkpoint's linears kept as bytes, the rest bf16; CPU)")
       ->check(CLI::IsMember({"f32", "bf16", "f16", "fp8"}))
+      ->capture_default_str();
+  app.add_option("--device", o.device,
+                 "cpu, cuda or cuda:N (with --nproc, 'cuda' gives each rank the device of its local rank; use "
+                 "--dtype bf16 there)")
       ->capture_default_str();
   app.add_option("--max-new-tokens", o.max_new_tokens, "new tokens per answer at most")->capture_default_str();
   app.add_option("--context", o.context, "KV-cache columns for the whole conversation")->capture_default_str();

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>

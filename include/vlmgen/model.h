@@ -55,7 +55,9 @@ class InferenceContext;
 
 /// One forward call: the token window [window_start, window_start + S) of every row.
 struct ForwardArgs {
-  /// [B, S], int64: the window's token ids.
+  /// [B, S], int64: the window's token ids. The generator and the engine pass them on the CPU
+  /// (the other tensors on the model's device): a model checks ids there without waiting for
+  /// its device, and copies the window over itself (a Python model gets them on its device).
   at::Tensor input_ids;
   /// [B, S] or [3, B, S] (M-RoPE), int64: the window's position ids.
   at::Tensor position_ids;

@@ -78,27 +78,34 @@ class Sampler {
     VLMGEN_CHECK(logits.dim() == 2 && logits.size(0) == static_cast<int64_t>(active.size()),
                  "sampler expects logits [{}, V], got {}", active.size(), detail::shape_str(logits));
     const int64_t batch = logits.size(0);
-    std::vector<bool> nan_rows(static_cast<size_t>(batch), false);
-    if (logits.isnan().any().item<bool>()) nan_rows = detail::to_bool_vector(logits.isnan().any(-1));
-    check_no_nan(nan_rows, active);
     std::vector<int64_t> tokens(static_cast<size_t>(batch), -1);
-    at::Tensor allowed = logits;
-    if (!options_.suppressed_tokens.empty()) {
-      allowed = logits.clone();
+    // A copy with the suppressed ids at -inf (NaN checks read the logits before this).
+    auto suppress = [&](const at::Tensor& t) {
+      if (options_.suppressed_tokens.empty()) return t;
+      at::Tensor out = t.clone();
       for (int64_t id : options_.suppressed_tokens) {
-        if (id >= 0 && id < logits.size(1)) allowed.select(1, id).fill_(-std::numeric_limits<float>::infinity());
+        if (id >= 0 && id < t.size(1)) out.select(1, id).fill_(-std::numeric_limits<float>::infinity());
       }
-    }
-    at::Tensor host;
+      return out;
+    };
+    // One read back to the host a step (on an accelerator each one waits for the device): the
+    // greedy choices and the NaN flags together, or the logits themselves when sampling.
+    std::vector<bool> nan_rows(static_cast<size_t>(batch), false);
     if (options_.greedy()) {
-      std::vector<int64_t> best = detail::to_int64_vector(allowed.argmax(-1));
+      const std::vector<int64_t> picked =
+          detail::to_int64_vector(at::stack({suppress(logits).argmax(-1), logits.isnan().any(-1).to(at::kLong)}));
+      for (int64_t b = 0; b < batch; ++b) nan_rows[b] = picked[batch + b] != 0;
+      check_no_nan(nan_rows, active);
       for (int64_t b = 0; b < batch; ++b) {
-        if (active[b]) tokens[b] = best[b];
+        if (active[b]) tokens[b] = picked[b];
       }
     } else {
-      host = allowed.to(at::kCPU, at::kFloat).contiguous();
+      const at::Tensor host = logits.to(at::kCPU, at::kFloat).contiguous();
+      nan_rows = detail::to_bool_vector(host.isnan().any(-1));
+      check_no_nan(nan_rows, active);
+      const at::Tensor allowed = suppress(host);
       for (int64_t b = 0; b < batch; ++b) {
-        if (active[b]) tokens[b] = sample_row(host[b], generators_[b]);
+        if (active[b]) tokens[b] = sample_row(allowed[b], generators_[b]);
       }
     }
     if (logprobs != nullptr) {

@@ -141,8 +141,14 @@ PythonModel::~PythonModel() {
 }
 
 at::Tensor PythonModel::forward(const ForwardArgs& args) {
+  // A Python model sees every tensor of the call on its device (an HF model indexes its
+  // embedding with input_ids there); the generator keeps token ids on the host.
+  ForwardArgs on_device = args;
+  if (on_device.input_ids.defined() && on_device.input_ids.device() != device()) {
+    on_device.input_ids = on_device.input_ids.to(device());
+  }
   py::gil_scoped_acquire gil;
-  auto view = std::make_shared<ArgsView>(args);
+  auto view = std::make_shared<ArgsView>(on_device);
   LeaseGuard lease{view->live};
   py::object out = model_.attr("forward")(view);
   return tensor_result(out, name_, "forward", "logits [batch, columns, vocab]");

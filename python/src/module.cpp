@@ -574,15 +574,17 @@ void bind_models(py::module_& m) {
 
   m.def(
       "load_model",
-      [](const std::string& dir, const std::string& dtype) {
-        const LoadOptions options = load_options_for_dtype(dtype);
+      [](const std::string& dir, const std::string& dtype, const std::string& device) {
+        LoadOptions options = load_options_for_dtype(dtype);
+        options.device = parse_device(device);
         py::gil_scoped_release release;
         return std::shared_ptr<CausalVlm>(load_model(dir, ParallelContext::single(), options));
       },
-      py::arg("dir"), py::arg("dtype") = "f32",
+      py::arg("dir"), py::arg("dtype") = "f32", py::arg("device") = "cpu",
       "Loads a checkpoint folder (config.json + *.safetensors) of a supported family (qwen2_vl, qwen2_5_vl, "
       "qwen3_vl) as a vlmgen.Model. dtype: the language model's weights, 'f32' (default), 'bf16', 'f16', or 'fp8' "
-      "(an FP8 checkpoint's linears kept as bytes, the rest bf16; CPU); compute is float32.");
+      "(an FP8 checkpoint's linears kept as bytes, the rest bf16; CPU); compute is float32 on the CPU. device: "
+      "'cpu' (default), 'cuda' or 'cuda:N' (there a 16-bit dtype runs the linears in that dtype).");
 }
 
 void bind_config(py::module_& m) {

@@ -46,7 +46,7 @@ class StoreHost {
 
   ~StoreHost() {
     try {
-      store_->set(exit_key(rank_), {1});
+      store_->set(exit_key(rank_), std::vector<uint8_t>{1});
       if (rank_ != 0 || failed_) return;
       std::vector<std::string> keys;
       for (int64_t r = 0; r < world_size_; ++r) keys.push_back(exit_key(r));

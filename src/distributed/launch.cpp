@@ -85,8 +85,9 @@ std::optional<DistributedEnv> read_distributed_env() {
                  "environment variable LOCAL_RANK={} is out of range for WORLD_SIZE={} (expected 0..{})",
                  env.local_rank, env.world_size, env.world_size - 1);
   }
-  if (env.world_size == 1) return env;  // nothing to rendezvous with
   const char* addr = getenv_nonempty("MASTER_ADDR");
+  // Alone, there is nothing to rendezvous with; the address is read when given (a group of one).
+  if (env.world_size == 1 && (addr == nullptr || getenv_nonempty("MASTER_PORT") == nullptr)) return env;
   VLMGEN_CHECK(addr != nullptr,
                "environment variable MASTER_ADDR is not set; a multi-process run (RANK={}, WORLD_SIZE={}) needs "
                "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as torchrun sets them",
@@ -106,7 +107,7 @@ ParallelContext init_parallel_from_env(int64_t tp_size, std::chrono::millisecond
 ParallelContext init_parallel_from_env(int64_t tp_size, const DistributedOptions& options) {
   VLMGEN_CHECK(tp_size >= 0, "tensor-parallel size must be >= 0 (0 = the whole world), got {}", tp_size);
   const std::optional<DistributedEnv> env = read_distributed_env();
-  if (!env || env->world_size == 1) {
+  if (!env || (env->world_size == 1 && !options.group_of_one())) {
     VLMGEN_CHECK(tp_size <= 1,
                  "tensor-parallel size {} needs {} processes, but this one runs alone (RANK/WORLD_SIZE {}); start it "
                  "with torchrun or vlmgen::launch_local_ranks",
@@ -115,7 +116,12 @@ ParallelContext init_parallel_from_env(int64_t tp_size, const DistributedOptions
   }
   const int64_t tp = tp_size == 0 ? env->world_size : tp_size;
   VLMGEN_CHECK(env->world_size % tp == 0, "tensor-parallel size {} does not divide WORLD_SIZE {}", tp, env->world_size);
-  std::shared_ptr<Communicator> group = tp > 1 ? detail::connect_tp_group(*env, tp, options) : nullptr;
+  VLMGEN_CHECK(tp > 1 || !options.group_of_one() || env->master_port > 0,
+               "a group of one rank (DistributedOptions::group_of_one) connects through a store: set MASTER_ADDR and "
+               "MASTER_PORT (RANK={}, WORLD_SIZE={})",
+               env->rank, env->world_size);
+  std::shared_ptr<Communicator> group =
+      tp > 1 || options.group_of_one() ? detail::connect_tp_group(*env, tp, options) : nullptr;
   return ParallelContext::make(env->world_size, env->rank, tp, env->rank % tp, std::move(group));
 }
 

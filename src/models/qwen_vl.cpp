@@ -384,11 +384,14 @@ QwenVl::CheckedWindow QwenVl::check_window(const ForwardArgs& args) const {
   const int64_t start = args.window_start;
   VLMGEN_CHECK(start >= 0, "window_start must be >= 0, got {}", start);
   const at::Device dev = device();
-  at::Tensor ids = ids_in.to(dev, at::kLong);
-  const int64_t min_id = ids.min().item<int64_t>();
-  const int64_t max_id = ids.max().item<int64_t>();
+  // The range is checked on the host: ids the generator passes are there already, and ids on
+  // the device cost one read back (then the copy below is a no-op).
+  const at::Tensor host_ids = ids_in.to(at::kCPU, at::kLong);
+  const int64_t min_id = host_ids.min().item<int64_t>();
+  const int64_t max_id = host_ids.max().item<int64_t>();
   VLMGEN_CHECK(min_id >= 0 && max_id < config_.vocab_size, "token ids must be in [0, {}), got ids in [{}, {}]",
                config_.vocab_size, min_id, max_id);
+  at::Tensor ids = ids_in.device() == dev ? ids_in.to(at::kLong) : host_ids.to(dev, at::kLong, /*non_blocking=*/true);
 
   at::Tensor mask;
   if (args.attention_mask.defined()) {

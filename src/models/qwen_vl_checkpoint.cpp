@@ -128,6 +128,10 @@ bool read_fp8_bytes(const SafetensorsCheckpoint& checkpoint, const std::string& 
 std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const ParallelContext& parallel,
                                                 const LoadOptions& options) {
   check_weights_dtype(options.weights_dtype);
+  VLMGEN_CHECK(options.device.is_cpu() || !options.keep_fp8,
+               "FP8 weights kept as bytes (keep_fp8 / --dtype fp8) compute on the CPU only, but device {} was asked "
+               "for; load with --dtype bf16 to dequantize them for that device",
+               options.device.str());
   const std::filesystem::path root(dir);
   QwenVlConfig config = QwenVlConfig::from_file((root / "config.json").string());
   // Bounds every size before any arithmetic on it, and a TP size that does not divide the heads
@@ -193,7 +197,7 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
     if (entry.fp8) {
       *target = detail::take_shard(read_fp8_weight(checkpoint, sources[i], *entry.fp8, quantization, dir),
                                    weights[i].layout, rank, tp)
-                    .to(dtype)
+                    .to(options.device, dtype)
                     .contiguous();
       checkpoint.release(sources[i]);
       continue;
@@ -201,7 +205,8 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
     VLMGEN_CHECK(entry.dtype == at::kFloat || entry.dtype == at::kHalf || entry.dtype == at::kBFloat16,
                  "tensor {} in checkpoint {} is {}; weights must be F32, F16, BF16 or FP8", sources[i], dir,
                  c10::toString(entry.dtype));
-    *target = read_slice(checkpoint, sources[i], full, weights[i].layout, rank, tp).to(dtype).contiguous();
+    *target =
+        read_slice(checkpoint, sources[i], full, weights[i].layout, rank, tp).to(options.device, dtype).contiguous();
     checkpoint.release(sources[i]);  // copied out: the file's pages need not stay resident beside it
   }
   if (fp8_dequantized > 0) {

@@ -28,16 +28,15 @@ std::pair<at::Tensor, at::Tensor> mrope_cos_sin(const at::Tensor& positions, con
   at::Tensor exponent = at::arange(0, c.head_dim, 2, opts) / static_cast<double>(c.head_dim);
   at::Tensor inv_freq = at::pow(c.rope_theta, exponent).reciprocal();     // [head_dim / 2]
   at::Tensor angles = positions.to(at::kFloat).unsqueeze(-1) * inv_freq;  // [3, B, S, head_dim / 2]
-  std::vector<int64_t> axis_of(static_cast<size_t>(half), 0);
-  for (int64_t j = 0; j < half; ++j) {
-    if (c.mrope_interleaved) {
-      if (j % 3 == 1 && j < 3 * c.mrope_section[1]) axis_of[j] = 1;
-      if (j % 3 == 2 && j < 3 * c.mrope_section[2]) axis_of[j] = 2;
-    } else {
-      axis_of[j] = j < c.mrope_section[0] ? 0 : j < c.mrope_section[0] + c.mrope_section[1] ? 1 : 2;
-    }
+  // Built on the device from the frequency indices: no host data crosses over each call.
+  const at::Tensor j = at::arange(half, opts.dtype(at::kLong));
+  at::Tensor index;
+  if (c.mrope_interleaved) {
+    index = (j.remainder(3).eq(1) & j.lt(3 * c.mrope_section[1])).to(at::kLong) +
+            (j.remainder(3).eq(2) & j.lt(3 * c.mrope_section[2])).to(at::kLong) * 2;
+  } else {
+    index = j.ge(c.mrope_section[0]).to(at::kLong) + j.ge(c.mrope_section[0] + c.mrope_section[1]).to(at::kLong);
   }
-  at::Tensor index = at::tensor(axis_of, at::kLong).to(positions.device());
   index = index.view({1, 1, 1, half}).expand({1, angles.size(1), angles.size(2), half});
   at::Tensor chosen = angles.gather(0, index).squeeze(0);  // [B, S, head_dim / 2]
   at::Tensor emb = at::cat({chosen, chosen}, -1);          // [B, S, head_dim]
@@ -228,7 +227,7 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
   }
   at::Tensor rows = x.select(0, 0);
   if (static_cast<int64_t>(wanted.size()) < s)
-    rows = rows.index_select(0, at::tensor(wanted, at::kLong).to(x.device()));
+    rows = rows.index_select(0, at::tensor(wanted, at::kLong).to(x.device(), at::kLong, /*non_blocking=*/true));
   const at::Tensor logits = kernels::linear(rows.unsqueeze(0), lm_.lm_head).squeeze(0);
   std::vector<at::Tensor> out;
   int64_t first = 0;

@@ -1,6 +1,7 @@
 // The CPU kernels on every path this machine can run, against float64 ATen on the same numbers.
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include <cmath>

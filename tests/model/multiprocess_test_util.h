@@ -63,6 +63,7 @@ inline const ParallelContext& worker_context() {
     options.backend(backend == "gloo"    ? CommBackend::kGloo
                     : backend == "store" ? CommBackend::kStore
                                          : CommBackend::kAuto);
+    options.group_of_one(getenv_or("VLMGEN_TEST_GROUP_OF_ONE", "") == "1");
     slot = init_parallel_from_env(std::stoll(getenv_or("VLMGEN_TEST_TP", "0")), options);
   }
   return *slot;

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -20,6 +21,7 @@
 #include "vlmgen/error.h"
 #include "vlmgen/generator.h"
 #include "vlmgen/io/safetensors.h"
+#include "vlmgen/models/load_options.h"
 #include "vlmgen/models/qwen_vl.h"
 #include "vlmgen/models/qwen_vl_config.h"
 #include "vlmgen/testing/forward_spy.h"
@@ -72,6 +74,14 @@ inline std::vector<int64_t> image_prompt(std::vector<int64_t> before, int64_t co
   return before;
 }
 
+// The device the device tests (device_test.cpp) put models and inputs on: VLMGEN_TEST_DEVICE,
+// "cpu" when unset; "cuda" or "cuda:N" on a GPU machine (scripts/gpu-check.sh). A device this
+// process cannot use fails the test with parse_device's error; it is never skipped.
+inline at::Device test_device() {
+  const char* name = std::getenv("VLMGEN_TEST_DEVICE");
+  return parse_device(name == nullptr || *name == '\0' ? "cpu" : name);
+}
+
 inline void report(const char* what, double value) { std::printf("[ measured ] %s: %.3g\n", what, value); }
 
 // Left-padded batches, full forwards, hash-derived weights and generator requests.
@@ -108,7 +118,7 @@ inline at::Tensor full_forward(CausalVlm& model, const Batch& batch, const Visio
 
 inline double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
   EXPECT_EQ(a.sizes(), b.sizes());
-  return (a - b).abs().max().item<double>();
+  return (a.to(at::kCPU) - b.to(at::kCPU)).abs().max().item<double>();
 }
 
 // uniform in [-amp, amp), a deterministic hash of (i, k); identical in double on every libm

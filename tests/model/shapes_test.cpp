@@ -1,5 +1,6 @@
 // The shapes data, the word tokenizer and the shipped shapes captioner (models/shapes-vlm).
 
+#include <ATen/core/grad_mode.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 

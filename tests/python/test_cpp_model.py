@@ -81,3 +81,6 @@ def test_load_model_keeps_16_bit_weights_when_asked_and_refuses_unknown_dtypes(c
         vlmgen.load_model(checkpoint, dtype="int4")
     with pytest.raises(vlmgen.Error, match="is not FP8"):  # fp8 needs an FP8 checkpoint
         vlmgen.load_model(checkpoint, dtype="fp8")
+    with pytest.raises(vlmgen.Error, match="'cpu', 'cuda' or 'cuda:N', got 'gpu'"):
+        vlmgen.load_model(checkpoint, device="gpu")
+    assert vlmgen.load_model(checkpoint, device="cpu").device == "cpu"

@@ -55,6 +55,7 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
 struct Options {
   std::string model;
   std::string dtype = "f32";  // weights dtype of the language model
+  std::string device = "cpu";
   std::string model_name;
   std::string host = "127.0.0.1";
   int port = 8000;
@@ -192,7 +193,7 @@ std::string sse(const Json& j) { return "data: " + j.dump() + "\n\n"; }
 class Server {
  public:
   Server(const Options& options, const ParallelContext& parallel) : options_(options) {
-    model_ = QwenVl::from_checkpoint(options.model, parallel, load_options_for_dtype(options.dtype));
+    model_ = QwenVl::from_checkpoint(options.model, parallel, load_options_for(options.dtype, options.device));
     tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_pretrained(options.model));
     std::string source;
     auto image_options = checkpoint_image_processor(options.model, model_->config(), &source);
@@ -595,7 +596,7 @@ extern "C" void on_signal(int sig) { g_signal.store(sig); }
 int follow(const Options& o, const ParallelContext& parallel) {
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
-  auto model = QwenVl::from_checkpoint(o.model, parallel, load_options_for_dtype(o.dtype));
+  auto model = QwenVl::from_checkpoint(o.model, parallel, load_options_for(o.dtype, o.device));
   Engine engine(*model, engine_options(o), parallel);
   engine.join();
   return 0;
@@ -616,6 +617,10 @@ int main(int argc, char** argv) {
                  "weights of the language model: f32, bf16 (half the bytes a decode step reads), f16, or fp8 (an FP8 "
                  "checkpoint's linears kept as bytes, the rest bf16; CPU)")
       ->check(CLI::IsMember({"f32", "bf16", "f16", "fp8"}))
+      ->capture_default_str();
+  app.add_option("--device", o.device,
+                 "cpu, cuda or cuda:N (with --nproc, 'cuda' gives each rank the device of its local rank; use "
+                 "--dtype bf16 there)")
       ->capture_default_str();
   app.add_option("--port", o.port, "port to listen on (0: any free port; the chosen one is printed)")
       ->capture_default_str()

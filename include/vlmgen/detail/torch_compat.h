@@ -28,6 +28,10 @@ inline void prefer_passive_openmp_wait(char** argv) {
   ::execv("/proc/self/exe", argv);  // on failure, carry on as we are
 }
 
+/// How many CUDA devices this process can use: 0 on a LibTorch built without CUDA, or when no
+/// driver or device is present.
+inline int64_t cuda_device_count() { return at::hasCUDA() ? static_cast<int64_t>(at::getNumGPUs()) : 0; }
+
 /// "1.13.1", "2.4.0", ... as the headers vlmgen was compiled against report it.
 inline std::string torch_version() { return TORCH_VERSION; }
 

@@ -62,10 +62,21 @@ class DistributedOptions {
   }
   bool use_nccl() const { return use_nccl_; }
 
+  /// Connect a tensor-parallel group even when it has one rank (WORLD_SIZE=1, or tp_size 1):
+  /// its collectives are copies, through the same transport (NCCL for CUDA tensors) as a larger
+  /// group's, so a one-GPU machine can check that transport. Needs MASTER_ADDR and MASTER_PORT.
+  /// Default false (a group of one is not connected and tp_group() is null).
+  DistributedOptions& group_of_one(bool value) {
+    group_of_one_ = value;
+    return *this;
+  }
+  bool group_of_one() const { return group_of_one_; }
+
  private:
   std::chrono::milliseconds timeout_ = kDefaultDistributedTimeout;
   CommBackend backend_ = CommBackend::kAuto;
   bool use_nccl_ = true;
+  bool group_of_one_ = false;
 };
 
 /// The torchrun variables of this process.

@@ -2,10 +2,14 @@
 
 // How a checkpoint is loaded: the dtype the language model's matrices are kept in.
 
+#include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
+#include <cstdint>
+#include <cstdlib>
 #include <string>
 
+#include "vlmgen/detail/torch_compat.h"
 #include "vlmgen/error.h"
 
 namespace vlmgen {
@@ -22,7 +26,35 @@ struct LoadOptions {
   /// block not a multiple of 16, or blocks split by tensor parallelism) is dequantized, with a
   /// warning saying how many. CPU only. A checkpoint that is not FP8 is a vlmgen::Error.
   bool keep_fp8 = false;
+  /// Where the weights live and the model computes: the CPU (default) or a CUDA device. Each
+  /// tensor is read from the files and copied straight over. On CUDA a 16-bit weights_dtype
+  /// runs the linears in that dtype (bf16 is the usual choice there); the residual stream,
+  /// norms, attention and the KV cache stay float32.
+  at::Device device = at::kCPU;
 };
+
+/// "cpu", "cuda" (device 0) or "cuda:N" as an at::Device, checked against what this process can
+/// use: a vlmgen::Error names the accepted spellings, or says that this LibTorch has no CUDA or
+/// how many devices it sees.
+inline at::Device parse_device(const std::string& name) {
+  if (name == "cpu") return at::kCPU;
+  int64_t index = -1;
+  if (name == "cuda") {
+    index = 0;
+  } else if (name.rfind("cuda:", 0) == 0 && name.size() > 5 && name.size() <= 8 &&
+             name.find_first_not_of("0123456789", 5) == std::string::npos) {
+    index = std::stoll(name.substr(5));
+  }
+  VLMGEN_CHECK(index >= 0, "device must be 'cpu', 'cuda' or 'cuda:N', got '{}'", name);
+  const int64_t count = detail::cuda_device_count();
+  VLMGEN_CHECK(count > 0,
+               "device '{}' asked for, but this LibTorch ({}) has no usable CUDA: it was built without CUDA, or no "
+               "driver or GPU is present; use --device cpu",
+               name, detail::torch_version());
+  VLMGEN_CHECK(index < count, "device '{}' asked for, but this process sees {} CUDA device{} (cuda:0 .. cuda:{})", name,
+               count, count == 1 ? "" : "s", count - 1);
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
+}
 
 /// The options a command line's `--dtype` names: f32, bf16, f16, or fp8 (an FP8 checkpoint's
 /// linears kept as bytes, its other matrices in bfloat16).
@@ -49,6 +81,17 @@ inline LoadOptions load_options_for_dtype(const std::string& name) {
   } catch (const Error&) {
     VLMGEN_FAIL("dtype must be f32, bf16, f16 or fp8, got '{}'", name);
   }
+  return options;
+}
+
+/// The options a command line's `--dtype` and `--device` name. In a multi-process run a plain
+/// "cuda" names the device of this process's LOCAL_RANK (torchrun's convention, and what
+/// `--nproc` sets); "cuda:N" is taken as written.
+inline LoadOptions load_options_for(const std::string& dtype, const std::string& device) {
+  LoadOptions options = load_options_for_dtype(dtype);
+  const char* local_rank = std::getenv("LOCAL_RANK");
+  options.device = parse_device(
+      device == "cuda" && local_rank != nullptr && *local_rank != '\0' ? "cuda:" + std::string(local_rank) : device);
   return options;
 }
 

@@ -1,8 +1,8 @@
 #pragma once
 
 // The rows of one request as the loop fills them: token ids and attention mask of every column
-// (the left-padded prompt, then the generated tokens), kept on the host and in step on the
-// model's device one column at a time; which rows still generate; and what happens when a row
+// (the left-padded prompt, then the generated tokens), kept on the host (the mask also on the
+// model's device, changed there only when a row finishes); which rows still generate; and what happens when a row
 // takes a token (its output, finish reason, the streaming callback, masking the filler after a
 // finished row).
 
@@ -37,15 +37,14 @@ class SequenceState {
       mask_[b].narrow(0, pad, static_cast<int64_t>(p.size())).fill_(1);
     }
     if (layout.max_new > 0) mask_.narrow(1, layout.prompt_len, layout.max_new).fill_(1);
-    tokens_dev_ = on_host_ ? tokens_ : tokens_.to(device);  // [B, total], aliases on CPU
-    mask_dev_ = on_host_ ? mask_ : mask_.to(device);        // [B, total]
+    mask_dev_ = on_host_ ? mask_ : mask_.to(device);  // [B, total], aliases on CPU
   }
 
   /// Host masters, [batch, total] int64.
   const at::Tensor& tokens() const { return tokens_; }
   const at::Tensor& mask() const { return mask_; }
-  /// The same on the model's device.
-  const at::Tensor& device_tokens() const { return tokens_dev_; }
+  /// The mask on the model's device. Token ids stay on the host only: the model checks them
+  /// there and copies each window over itself (ForwardArgs::input_ids).
   const at::Tensor& device_mask() const { return mask_dev_; }
 
   const std::vector<bool>& active() const { return active_; }
@@ -94,7 +93,6 @@ class SequenceState {
       }
       if (seq.finish_reason != FinishReason::kNotFinished) finish_row(b, column);
     }
-    if (!on_host_) tokens_dev_.select(1, column).copy_(tokens_.select(1, column));
     return taken;
   }
 
@@ -112,7 +110,7 @@ class SequenceState {
   int64_t last_column_ = -1;  // of the last tokens taken
   std::vector<bool> active_;
   bool on_host_;
-  at::Tensor tokens_, mask_, tokens_dev_, mask_dev_;
+  at::Tensor tokens_, mask_, mask_dev_;
 };
 
 }  // namespace vlmgen::detail

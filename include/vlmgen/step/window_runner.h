@@ -64,7 +64,7 @@ class WindowRunner {
   /// the images the replay policy gives the window.
   ForwardArgs args_for(int64_t start, int64_t end, int64_t step) {
     ForwardArgs args;
-    args.input_ids = rows_.device_tokens().narrow(1, start, end - start);
+    args.input_ids = rows_.tokens().narrow(1, start, end - start);  // host: see ForwardArgs
     args.position_ids = positions_.narrow(-1, start, end - start);
     args.attention_mask = rows_.device_mask().narrow(1, 0, end);
     args.context = context_;
