@@ -36,7 +36,7 @@ QWEN2_VL_2B = dict(
     tie_word_embeddings=True, image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
     vision_end_token_id=151653, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
     vision_config=dict(depth=32, embed_dim=1280, hidden_size=1536, hidden_act="quick_gelu", mlp_ratio=4,
-                       num_heads=16, in_chans=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2))
+                       num_heads=16, in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2))
 SMALL = dict(QWEN2_VL_2B, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vision_config=dict(QWEN2_VL_2B["vision_config"], depth=2, embed_dim=128,
                                                        hidden_size=256, num_heads=2))
@@ -141,7 +141,8 @@ def table_of(args, figures):
              "| --- | --- | --- | --- |"]
     for (case, name), (ttft, rate) in figures.items():
         ours = figures.get((case, "vlmgen"), (0.0, float("nan")))[1]
-        table.append(f"| {case}: {name} | {ttft * 1e3:.1f} ms | {rate:.1f} | {ours / rate:.2f}x |")
+        table.append(f"| {case}: {name} | {ttft * 1e3:.1f} ms | {rate:.1f} | "
+                     f"{ours / rate if rate else float('nan'):.2f}x |")
     return table
 
 

@@ -16,7 +16,8 @@
 #      expendable when time runs out);
 # and writes $OUT/report.md (a line per stage), $OUT/log.txt, and the JSON of stages 4 and 5.
 # Every stage after the build gets the time left before GPU_CHECK_DEADLINE (default 560 s after
-# the start; the device tool stops a command at 600 s).
+# the start; the device tool stops a command at 600 s, or sooner when less device time is left:
+# set it from the device tool's budget then), and each of stages 3-5 at most its own cap.
 #
 #   bash scripts/gpu-deps.sh                            # here, once: .gpu-deps/
 #   device run: carry [".gpu-deps"], command "bash scripts/gpu-check.sh", timeout 600
@@ -25,7 +26,8 @@
 # --dry-run (a build machine without a GPU): Debian's LibTorch, the existing build folder
 # (GPU_CHECK_BUILD_DIR, default build), device cpu, and the Python stages' vlmgen halves only
 # (no transformers here). Environment: OUT (default out/gpu-check), GPU_CHECK_JOBS (default nproc),
-# GPU_CHECK_DEADLINE (seconds), GPU_CHECK_SPEED_ARGS (extra arguments of bench/gpu_speed.py).
+# GPU_CHECK_DEADLINE (seconds), GPU_CHECK_SPEED_ARGS (extra arguments of bench/gpu_speed.py),
+# GPU_CHECK_COMMIT (the commit to name in the report when the copy has no .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -35,11 +37,14 @@ if [ "${1:-}" = --dry-run ]; then dry=1; elif [ $# -gt 0 ]; then
   echo "usage: bash scripts/gpu-check.sh [--dry-run]" >&2
   exit 2
 fi
-out="${OUT:-$root/out/gpu-check}"
-mkdir -p "$out"
+out=$(mkdir -p "${OUT:-$root/out/gpu-check}" && cd "${OUT:-$root/out/gpu-check}" && pwd) || exit 1
 report="$out/report.md"
 : > "$report"
 exec > >(tee "$out/log.txt") 2>&1
+tee_pid=$!
+# The log's last lines reach the file before the run ends.
+trap 'exec >&- 2>&-; wait $tee_pid' EXIT
+export PYTHONUNBUFFERED=1
 jobs="${GPU_CHECK_JOBS:-$(nproc)}"
 failures=0
 started=$(date +%s)
@@ -48,12 +53,13 @@ deadline=$((started + ${GPU_CHECK_DEADLINE:-560}))
 note() { echo "$*" | tee -a "$report"; }
 stage() { echo; echo "=== $* ($(($(date +%s) - started)) s)"; }
 left() { echo $((deadline - $(date +%s))); }
-# Runs a stage's command under the time left; its result is a line of the report; the run goes
-# on after a failure.
+# Runs a stage's command for at most CAP seconds and the time left; its result is a line of the
+# report; the run goes on after a failure.  check NAME CAP COMMAND...
 check() {
-  local name="$1"
-  shift
+  local name="$1" cap="$2"
+  shift 2
   local t0=$(date +%s) budget=$(left) status=0
+  [ "$budget" -gt "$cap" ] && budget=$cap
   if [ "$budget" -lt 10 ]; then
     note "- NOT RUN $name (no time left before the deadline)"
     failures=$((failures + 1))
@@ -79,7 +85,10 @@ fatal() {
 
 note "# vlmgen GPU check $(date -u +%Y-%m-%dT%H:%MZ)$([ $dry = 1 ] && echo ' (dry run on the CPU)')"
 note ""
-note "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' + local changes')"
+commit="${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+git diff --quiet 2>/dev/null
+[ $? = 1 ] && commit="$commit + local changes"
+note "commit $commit"
 
 # --- 1. CUDA and the toolchain --------------------------------------------------------------------
 stage "CUDA"
@@ -102,7 +111,7 @@ if not torch.cuda.is_available():
 x = torch.ones(4, device="cuda") * 2
 torch.cuda.synchronize()
 assert float(x.sum()) == 8.0
-if not torch._C._GLIBCXX_USE_CXX11_ABI:
+if not getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True):
     sys.exit(f"torch {torch.__version__} uses the pre-C++11 ABI; the Debian packages of .gpu-deps need the C++11 one")
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}, "
       f"{torch.cuda.device_count()} device(s)")
@@ -131,7 +140,13 @@ else
     fatal "found $have .deb files in .gpu-deps, scripts/gpu-deps.sh lists $expected: run bash scripts/gpu-deps.sh on a build machine and carry .gpu-deps"
   deps=/tmp/vlmgen-gpu-deps
   rm -rf "$deps" && mkdir -p "$deps"
-  for f in .gpu-deps/*.deb; do dpkg-deb -x "$f" "$deps" || fatal "cannot unpack $f"; done
+  for f in .gpu-deps/*.deb; do
+    if command -v dpkg-deb > /dev/null; then
+      dpkg-deb -x "$f" "$deps" || fatal "cannot unpack $f"
+    else  # a .deb is an ar archive holding data.tar.xz
+      ar p "$f" data.tar.xz | tar -xJ -C "$deps" || fatal "cannot unpack $f (no dpkg-deb; ar and tar failed)"
+    fi
+  done
   libdir="$deps/usr/lib/x86_64-linux-gnu"
   # pkgconf from the packages, reading only their .pc files, their paths under $deps.
   cat > "$deps/pkg-config" <<EOF
@@ -166,6 +181,7 @@ fi
 grep -q "vlmgen_python" "$build/build.ninja" 2>/dev/null && targets+=(vlmgen_python)
 build=$(cd "$build" && pwd)
 t0=$(date +%s)
+[ "$(left)" -gt 30 ] || fatal "no time left to build before the deadline"
 timeout "$(left)" cmake --build "$build" -j "$jobs" --target "${targets[@]}" || fatal "build (log.txt)"
 note "- PASS build of ${targets[*]} in $(($(date +%s) - t0)) s with $jobs jobs"
 
@@ -174,7 +190,7 @@ stage "device tests"
 export OMP_WAIT_POLICY=PASSIVE
 # Weights, KV cache, images with and without a KV cache, the engine's encoder cache, seeded
 # sampling, bf16, loading onto the device, NCCL with one rank, no host reads in a forward.
-check "device tests on $device (OnTestDevice.*, NoHostReads.*)" \
+check "device tests on $device (OnTestDevice.*, NoHostReads.*)" 150 \
   env VLMGEN_TEST_DEVICE=$device "$build/tests/vlmgen_model_tests" --gtest_filter='OnTestDevice.*:NoHostReads.*'
 
 # --- 4. parity against transformers -----------------------------------------------------------------
@@ -182,7 +198,7 @@ stage "parity"
 export PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}"
 only=()
 [ $dry = 1 ] && only=(--vlmgen-only)
-check "parity with transformers (fp32 CPU logits <= 1e-4 and greedy tokens; bf16 on $device)" \
+check "parity with transformers (fp32 CPU logits <= 1e-4 and greedy tokens; bf16 on $device)" 150 \
   "$python" tests/gpu/transformers_parity.py --tools "$build/examples" --device "$device" --json "$out/parity.json" \
   "${only[@]}"
 
@@ -192,7 +208,7 @@ speed_args=(--tools "$build/examples")
 [ $dry = 1 ] && speed_args+=(--vlmgen-only --small)
 # shellcheck disable=SC2206
 speed_args+=(${GPU_CHECK_SPEED_ARGS:-})
-check "speed against transformers generate (bf16, batch 1 with a 448x448 image, batch 16)" \
+check "speed against transformers generate (bf16, batch 1 with a 448x448 image, batch 16)" 300 \
   "$python" bench/gpu_speed.py --device "$device" --json "$out/speed.json" "${speed_args[@]}"
 [ -f "$out/speed.json" ] && "$python" -c "
 import json, sys
@@ -202,7 +218,7 @@ for line in json.load(open(sys.argv[1])).get('table', []): print(line)
 # --- 6. the CPU tests with this LibTorch ----------------------------------------------------------------
 stage "CPU tests"
 cd "$build"
-check "CPU tests (core, Qwen-VL models, engine, TP/SP over two ranks)" \
+check "CPU tests (core, Qwen-VL models, engine, TP/SP over two ranks)" 600 \
   ctest -j "$jobs" --timeout 90 --output-on-failure \
   -R '^(Families/|Qwen|EngineOnQwenVl|TensorParallel|Distributed|LaunchLocalRanks|CpuKernels|Fp8|Safetensors|ImageProcessor|BadInputTable|Batching|Continuation|EncoderCache|Engine\.|InferenceContext|Prefill|ReplayPolicy|Sampl|SequenceParallel|StepPlan|Streaming|VisionInputs|ForwardSpy)'
 cd "$root"
