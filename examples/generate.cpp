@@ -1,4 +1,4 @@
-// Runs generation from a Qwen2-VL checkpoint directory, token ids and image files, printing the
+// Runs generation from a Qwen-VL or Gemma-3 checkpoint directory, token ids and image files, printing the
 // tokens as they stream.
 //
 //   vlmgen-generate --checkpoint DIR --prompt "5 6 <image> 7" --image cat.png
@@ -32,14 +32,17 @@
 #include "vlmgen/distributed/launch.h"
 #include "vlmgen/error.h"
 #include "vlmgen/generator.h"
+#include "vlmgen/image/gemma3_image_processor.h"
 #include "vlmgen/image/preprocessor_config.h"
 #include "vlmgen/image/qwen_image_processor.h"
+#include "vlmgen/models/gemma3.h"
+#include "vlmgen/models/load_model.h"
 #include "vlmgen/models/qwen_vl.h"
 #include "vlmgen/text/tokenizer.h"
 
 namespace {
 
-std::vector<int64_t> build_prompt(const std::string& text, const vlmgen::QwenVlConfig& config,
+std::vector<int64_t> build_prompt(const std::string& text, const vlmgen::ModelTraits& config,
                                   const std::vector<int64_t>& image_tokens) {
   std::vector<int64_t> ids;
   std::istringstream words(text);
@@ -49,9 +52,9 @@ std::vector<int64_t> build_prompt(const std::string& text, const vlmgen::QwenVlC
     if (word == "<image>") {
       VLMGEN_CHECK(image < image_tokens.size(), "the prompt has more <image> markers than the {} --image files",
                    image_tokens.size());
-      ids.push_back(config.vision_start_token_id);
-      ids.insert(ids.end(), static_cast<size_t>(image_tokens[image++]), config.image_token_id);
-      ids.push_back(config.vision_end_token_id);
+      ids.push_back(*config.vision_start_token_id);
+      ids.insert(ids.end(), static_cast<size_t>(image_tokens[image++]), *config.image_token_id);
+      ids.push_back(*config.vision_end_token_id);
       continue;
     }
     size_t used = 0;
@@ -71,7 +74,7 @@ std::vector<int64_t> build_prompt(const std::string& text, const vlmgen::QwenVlC
 
 // --text: the text between "<image>" markers through the tokenizer, images as in --prompt.
 std::vector<int64_t> tokenize_prompt(const std::string& text, const std::string& checkpoint,
-                                     const vlmgen::QwenVlConfig& config, const std::vector<int64_t>& image_tokens) {
+                                     const vlmgen::ModelTraits& config, const std::vector<int64_t>& image_tokens) {
   const auto tokenizer = vlmgen::Tokenizer::from_pretrained(checkpoint);
   static constexpr std::string_view kMarker = "<image>";
   std::vector<int64_t> ids;
@@ -83,9 +86,9 @@ std::vector<int64_t> tokenize_prompt(const std::string& text, const std::string&
     if (at == std::string::npos) break;
     VLMGEN_CHECK(image < image_tokens.size(), "the text has more <image> markers than the {} --image files",
                  image_tokens.size());
-    ids.push_back(config.vision_start_token_id);
-    ids.insert(ids.end(), static_cast<size_t>(image_tokens[image++]), config.image_token_id);
-    ids.push_back(config.vision_end_token_id);
+    ids.push_back(*config.vision_start_token_id);
+    ids.insert(ids.end(), static_cast<size_t>(image_tokens[image++]), *config.image_token_id);
+    ids.push_back(*config.vision_end_token_id);
     from = at + kMarker.size();
   }
   VLMGEN_CHECK(image == image_tokens.size(), "{} --image files but {} <image> markers in the text", image_tokens.size(),
@@ -97,7 +100,7 @@ std::vector<int64_t> tokenize_prompt(const std::string& text, const std::string&
 
 int main(int argc, char** argv) {
   vlmgen::detail::prefer_passive_openmp_wait(argv);
-  CLI::App app("Generate with a Qwen2-VL checkpoint, streaming tokens");
+  CLI::App app("Generate with a Qwen-VL or Gemma-3 checkpoint, streaming tokens");
   std::string checkpoint, prompt_text, replay = "span-aware";
   std::vector<std::string> image_paths;
   std::vector<int64_t> end_ids;
@@ -176,26 +179,37 @@ int main(int argc, char** argv) {
                  nproc, parallel.world_size());
     parallel.sequence_parallel(sequence_parallel);
     const bool lead = rank == 0;
-    auto model = vlmgen::QwenVl::from_checkpoint(checkpoint, parallel, vlmgen::load_options_for(dtype, device));
-    const auto& config = model->config();
+    auto model = vlmgen::load_model(checkpoint, parallel, vlmgen::load_options_for(dtype, device));
+    auto* qwen = dynamic_cast<vlmgen::QwenVl*>(model.get());
+    auto* gemma = dynamic_cast<vlmgen::Gemma3*>(model.get());
+    const vlmgen::ModelTraits& config = model->traits();
     std::vector<vlmgen::Image> images;
     for (int64_t row = 0; row < batch; ++row) {
       for (const auto& path : image_paths) images.push_back(vlmgen::load_image(path));
     }
     // The folder's own preprocessing, so the model sees what it would under HF; flags override
     // and say so.
-    std::string source;
-    auto options = vlmgen::checkpoint_image_processor(checkpoint, config, &source);
-    if (lead && !image_paths.empty()) fmt::print(stderr, "images preprocessed with {}\n", source);
-    if (max_pixels > 0) {
-      if (lead) fmt::print(stderr, "--max-pixels {} overrides max_pixels {}\n", max_pixels, options.max_pixels());
-      options.max_pixels(max_pixels);
+    vlmgen::VisionInputs vision;
+    if (gemma != nullptr) {
+      VLMGEN_CHECK(max_pixels == 0 && min_pixels == 0,
+                   "--max-pixels/--min-pixels do not apply to gemma3 (every image is resized to {}x{})",
+                   gemma->config().image_size, gemma->config().image_size);
+      const auto options = vlmgen::gemma3_image_processor(checkpoint, gemma->config().image_size);
+      if (!images.empty()) vision = vlmgen::preprocess_gemma3(images, options);
+    } else {
+      std::string source;
+      auto options = vlmgen::checkpoint_image_processor(checkpoint, qwen->config(), &source);
+      if (lead && !image_paths.empty()) fmt::print(stderr, "images preprocessed with {}\n", source);
+      if (max_pixels > 0) {
+        if (lead) fmt::print(stderr, "--max-pixels {} overrides max_pixels {}\n", max_pixels, options.max_pixels());
+        options.max_pixels(max_pixels);
+      }
+      if (min_pixels > 0) {
+        if (lead) fmt::print(stderr, "--min-pixels {} overrides min_pixels {}\n", min_pixels, options.min_pixels());
+        options.min_pixels(min_pixels);
+      }
+      if (!images.empty()) vision = vlmgen::preprocess(images, options);
     }
-    if (min_pixels > 0) {
-      if (lead) fmt::print(stderr, "--min-pixels {} overrides min_pixels {}\n", min_pixels, options.min_pixels());
-      options.min_pixels(min_pixels);
-    }
-    vlmgen::VisionInputs vision = images.empty() ? vlmgen::VisionInputs() : vlmgen::preprocess(images, options);
     std::vector<int64_t> counts = model->placeholder_counts(vision);
     counts.resize(image_paths.size());  // the first row's; every row has the same images
     std::vector<int64_t> prompt = text_option->count() > 0 ? tokenize_prompt(text, checkpoint, config, counts)
@@ -214,7 +228,8 @@ int main(int argc, char** argv) {
     if (lead) {
       if (parallel.tp_size() > 1) {
         fmt::print("tensor parallel: {} ranks, vision tower {}, sequence parallel {}\n", parallel.tp_size(),
-                   model->vision_tower_sharded() ? "sharded" : "replicated", sequence_parallel ? "on" : "off");
+                   qwen != nullptr && qwen->vision_tower_sharded() ? "sharded" : "replicated",
+                   sequence_parallel ? "on" : "off");
       }
       fmt::print("prompt: {} tokens, {} images, KV cache {}, replay {}; {} row{}, {} weights on {}\n", prompt.size(),
                  image_paths.size(), no_kv_cache ? "off" : "on", replay, batch, batch == 1 ? "" : "s", dtype,

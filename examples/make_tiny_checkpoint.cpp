@@ -1,7 +1,7 @@
-// Writes a random tiny Qwen-VL checkpoint directory (config.json + model.safetensors) that
+// Writes a random tiny Qwen-VL or Gemma-3 checkpoint directory (config.json + model.safetensors) that
 // vlmgen-generate and the tests can load like a real one.
 //
-//   vlmgen-make-tiny-checkpoint --out /tmp/tiny-qwen2vl [--family qwen2_vl|qwen2_5_vl|qwen3_vl]
+//   vlmgen-make-tiny-checkpoint --out /tmp/tiny-qwen2vl [--family qwen2_vl|qwen2_5_vl|qwen3_vl|gemma3]
 //                               [--seed 7] [--tied] [--real-vocab]
 //
 // --real-vocab gives it Qwen2-VL's vocabulary size and special-token ids, so a real Qwen
@@ -14,23 +14,36 @@
 
 #include "vlmgen/error.h"
 #include "vlmgen/image/preprocessor_config.h"
+#include "vlmgen/models/gemma3.h"
 #include "vlmgen/models/qwen_vl.h"
 
 int main(int argc, char** argv) {
-  CLI::App app("Write a random tiny Qwen-VL checkpoint (config.json, model.safetensors, preprocessor_config.json)");
+  CLI::App app(
+      "Write a random tiny Qwen-VL or Gemma-3 checkpoint (config.json, model.safetensors, preprocessor_config.json)");
   std::string out;
   std::string family_name = "qwen2_vl";
   uint64_t seed = 0;
   bool tied = false, real_vocab = false;
   app.add_option("--out", out, "checkpoint directory to write (created when missing)")->required();
-  app.add_option("--family", family_name, "model family: qwen2_vl, qwen2_5_vl or qwen3_vl")
+  app.add_option("--family", family_name, "model family: qwen2_vl, qwen2_5_vl, qwen3_vl or gemma3")
       ->capture_default_str()
-      ->check(CLI::IsMember({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}));
+      ->check(CLI::IsMember({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3"}));
   app.add_option("--seed", seed, "seed of the random weights")->capture_default_str();
   app.add_flag("--tied", tied, "tie lm_head to the token embedding (no lm_head.weight stored)");
   app.add_flag("--real-vocab", real_vocab, "Qwen2-VL's vocabulary size (151936) and vision token ids");
   CLI11_PARSE(app, argc, argv);
   try {
+    if (family_name == "gemma3") {
+      // Gemma3Config::tiny(): 16x16 images (the preprocessing resizes to image_size), 4 tokens each.
+      VLMGEN_CHECK(!real_vocab, "--real-vocab is for the Qwen-VL families");
+      vlmgen::Gemma3Config config = vlmgen::Gemma3Config::tiny();  // tied, as Gemma-3 ships
+      vlmgen::Gemma3 model(config, seed);
+      model.save_checkpoint(out);
+      fmt::print("wrote {} (gemma3, {} parameters, hidden {}, {} layers, vocab {}, image token {})\n", out,
+                 config.parameter_count(), config.hidden_size, config.num_hidden_layers, config.vocab_size,
+                 config.image_token_id);
+      return 0;
+    }
     vlmgen::QwenVlConfig config = vlmgen::QwenVlConfig::tiny(*vlmgen::family_from_name(family_name));
     config.tie_word_embeddings = tied;
     if (real_vocab) {

@@ -49,7 +49,14 @@ double bicubic_filter(double x) {
   if (x < 2.0) return (((x - 5) * x + 8) * x - 4) * a;
   return 0.0;
 }
-constexpr double kBicubicSupport = 2.0;
+
+// Pillow's BILINEAR: a triangle of support 1.
+double bilinear_filter(double x) {
+  if (x < 0.0) x = -x;
+  return x < 1.0 ? 1.0 - x : 0.0;
+}
+
+enum class Filter { kBicubic, kBilinear };
 
 // For each output index along one axis: the first input index, how many inputs it reads, and
 // their fixed-point weights (ksize per output, zero-padded).
@@ -60,11 +67,11 @@ struct AxisCoefficients {
   std::vector<int32_t> weights;  // [out_size * ksize]
 };
 
-AxisCoefficients precompute_coefficients(int in_size, int out_size) {
+AxisCoefficients precompute_coefficients(int in_size, int out_size, Filter filter) {
   const double scale = static_cast<double>(static_cast<float>(in_size)) / out_size;
   // Shrinking widens the filter by the scale factor: that is PIL's antialiasing.
   const double filter_scale = std::max(scale, 1.0);
-  const double support = kBicubicSupport * filter_scale;
+  const double support = (filter == Filter::kBicubic ? 2.0 : 1.0) * filter_scale;
   AxisCoefficients c;
   c.ksize = static_cast<int>(std::ceil(support)) * 2 + 1;
   c.first.resize(out_size);
@@ -82,7 +89,8 @@ AxisCoefficients precompute_coefficients(int in_size, int out_size) {
     xmax -= xmin;
     double ww = 0.0;
     for (int x = 0; x < xmax; ++x) {
-      const double w = bicubic_filter((x + xmin - center + 0.5) * ss);
+      const double t = (x + xmin - center + 0.5) * ss;
+      const double w = filter == Filter::kBicubic ? bicubic_filter(t) : bilinear_filter(t);
       k[x] = w;
       ww += w;
     }
@@ -106,8 +114,8 @@ uint8_t clip8(int64_t in) {
   return static_cast<uint8_t>(in >> kPrecisionBits);
 }
 
-Image resample_horizontal(const Image& in, int out_width) {
-  const AxisCoefficients c = precompute_coefficients(static_cast<int>(in.width), out_width);
+Image resample_horizontal(const Image& in, int out_width, Filter filter) {
+  const AxisCoefficients c = precompute_coefficients(static_cast<int>(in.width), out_width, filter);
   Image out{in.height, out_width, std::vector<uint8_t>(static_cast<size_t>(in.height) * out_width * kChannels)};
   for (int64_t y = 0; y < in.height; ++y) {
     const uint8_t* row = &in.rgb[static_cast<size_t>(y * in.width * kChannels)];
@@ -124,8 +132,8 @@ Image resample_horizontal(const Image& in, int out_width) {
   return out;
 }
 
-Image resample_vertical(const Image& in, int out_height) {
-  const AxisCoefficients c = precompute_coefficients(static_cast<int>(in.height), out_height);
+Image resample_vertical(const Image& in, int out_height, Filter filter) {
+  const AxisCoefficients c = precompute_coefficients(static_cast<int>(in.height), out_height, filter);
   const int64_t row_bytes = in.width * kChannels;
   Image out{out_height, in.width, std::vector<uint8_t>(static_cast<size_t>(out_height * row_bytes))};
   for (int yy = 0; yy < out_height; ++yy) {
@@ -145,16 +153,29 @@ Image resample_vertical(const Image& in, int out_height) {
 }  // namespace
 }  // namespace detail
 
-Image resize_bicubic(const Image& image, int64_t height, int64_t width) {
-  detail::check_image(image, "resize_bicubic");
-  VLMGEN_CHECK(height > 0 && width > 0 && height <= std::numeric_limits<int32_t>::max() / width / detail::kChannels,
-               "resize_bicubic: target size must be positive and fit in memory, got {}x{} (height x width)", height,
-               width);
+namespace detail {
+namespace {
+
+Image resize_with(const Image& image, int64_t height, int64_t width, Filter filter, const char* what) {
+  check_image(image, what);
+  VLMGEN_CHECK(height > 0 && width > 0 && height <= std::numeric_limits<int32_t>::max() / width / kChannels,
+               "{}: target size must be positive and fit in memory, got {}x{} (height x width)", what, height, width);
   // Like Pillow, run only the passes whose axis changes size; horizontal first, since the
   // 8-bit rounding between the passes makes the order visible.
-  Image out = width != image.width ? detail::resample_horizontal(image, static_cast<int>(width)) : image;
-  if (height != image.height) out = detail::resample_vertical(out, static_cast<int>(height));
+  Image out = width != image.width ? resample_horizontal(image, static_cast<int>(width), filter) : image;
+  if (height != image.height) out = resample_vertical(out, static_cast<int>(height), filter);
   return out;
+}
+
+}  // namespace
+}  // namespace detail
+
+Image resize_bicubic(const Image& image, int64_t height, int64_t width) {
+  return detail::resize_with(image, height, width, detail::Filter::kBicubic, "resize_bicubic");
+}
+
+Image resize_bilinear(const Image& image, int64_t height, int64_t width) {
+  return detail::resize_with(image, height, width, detail::Filter::kBilinear, "resize_bilinear");
 }
 
 std::pair<int64_t, int64_t> smart_resize(int64_t height, int64_t width, int64_t factor, int64_t min_pixels,

@@ -7,6 +7,7 @@
 #include "../io/json_parse.h"
 #include "vlmgen/error.h"
 #include "vlmgen/io/files.h"
+#include "vlmgen/models/gemma3.h"
 #include "vlmgen/models/qwen_vl.h"
 
 namespace vlmgen {
@@ -30,8 +31,11 @@ std::string checkpoint_model_type(const std::string& dir) {
 std::unique_ptr<CausalVlm> load_model(const std::string& dir, const ParallelContext& parallel,
                                       const LoadOptions& options) {
   const std::string type = checkpoint_model_type(dir);
-  VLMGEN_CHECK(family_from_name(type).has_value(), "checkpoint {}: model type '{}' is not supported; supported: {}",
-               dir, type, supported_family_names());
+  if (type == "gemma3" || type == "Gemma3ForConditionalGeneration")
+    return Gemma3::from_checkpoint(dir, parallel, options);
+  VLMGEN_CHECK(family_from_name(type).has_value(),
+               "checkpoint {}: model type '{}' is not supported; supported: {}, gemma3", dir, type,
+               supported_family_names());
   return QwenVl::from_checkpoint(dir, parallel, options);
 }
 

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint_folder.h"
 #include "qwen_vl_ops.h"
 #include "vlmgen/detail/tensor_utils.h"
 #include "vlmgen/distributed/communicator.h"
@@ -230,38 +231,11 @@ void QwenVl::save_checkpoint(const std::string& dir) const {
     at::Tensor full = tp_comm_ == nullptr ? local : detail::gather_shard(local, slot.layout, *tp_comm_);
     tensors.emplace(slot.name, full.to(at::kCPU).contiguous());
   }
-  std::string failure;
-  if (parallel_.tp_rank() == 0) {
-    try {
-      write_checkpoint(dir, tensors);
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
-  }
-  if (tp_comm_ != nullptr) {
-    // Every rank returns once the files exist, or raises when rank 0 could not write them.
-    at::Tensor written = at::full({1}, failure.empty() ? 1 : 0, at::kLong);
-    tp_comm_->broadcast(written, 0);
-    VLMGEN_CHECK(written.item<int64_t>() == 1 || parallel_.tp_rank() == 0,
-                 "rank 0 could not write checkpoint {} (its own error says why)", dir);
-  }
-  if (!failure.empty()) throw Error(failure);
+  write_checkpoint(dir, tensors);
 }
 
 void QwenVl::write_checkpoint(const std::string& dir, const std::map<std::string, at::Tensor>& tensors) const {
-  const std::filesystem::path root(dir);
-  std::error_code ec;
-  std::filesystem::create_directories(root, ec);
-  VLMGEN_CHECK(!ec, "cannot create checkpoint directory {}: {}", dir, ec.message());
-  {
-    const std::string path = (root / "config.json").string();
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    VLMGEN_CHECK(out.good(), "cannot open {} for writing", path);
-    out << config_.to_json();
-    out.close();
-    VLMGEN_CHECK(!out.fail(), "writing {} failed", path);
-  }
-  save_safetensors((root / "model.safetensors").string(), tensors, {{"format", "pt"}});
+  detail::write_checkpoint_once(dir, config_.to_json(), tensors, tp_comm_, parallel_.tp_rank());
 }
 
 }  // namespace vlmgen

@@ -13,6 +13,7 @@
 
 #include "stb_write_for_tests.h"
 #include "vlmgen/error.h"
+#include "vlmgen/image/gemma3_image_processor.h"
 #include "vlmgen/image/qwen_image_processor.h"
 
 namespace vlmgen {
@@ -452,6 +453,65 @@ TEST_F(ImageProcessorFiles, SaveErrorsNameThePath) {
   EXPECT_THAT(message, HasSubstr(target));
   EXPECT_THAT(message, HasSubstr("48"));
   EXPECT_FALSE(fs::exists(target));
+}
+
+// Pillow 9.4's `resize((w, h), Image.BILINEAR, reducing_gap=None)` of pillow_input(6, 8): the
+// resampling of Gemma-3's image processor.
+TEST(ImageProcessorResize, BilinearMatchesPillowExactly) {
+  const std::vector<uint8_t> shrunk = {44,  97,  150, 137, 160, 159, 97,  77,  121, 128, 156, 114, 182, 101, 88,
+                                       98,  151, 134, 157, 130, 92,  98,  139, 172, 155, 107, 107, 115, 133, 170,
+                                       155, 173, 156, 113, 128, 121, 121, 171, 120, 97,  134, 138, 131, 184, 118,
+                                       144, 158, 116, 122, 119, 155, 117, 97,  99,  137, 149, 88,  128, 116, 130};
+  EXPECT_EQ(resize_bilinear(make_image(6, 8, pillow_input_value), 4, 5).rgb, shrunk);
+  const Image enlarged = resize_bilinear(make_image(6, 8, pillow_input_value), 9, 11);
+  ASSERT_EQ(enlarged.rgb.size(), 9u * 11u * 3u);
+  const std::vector<uint8_t> first_row = {0,   53,  106, 42,  95,  148, 94,  147, 200, 145, 187,
+                                          240, 197, 52,  105, 121, 46,  99,  44,  97,  150, 96,
+                                          149, 202, 147, 200, 79,  199, 147, 49,  241, 38,  91};
+  EXPECT_EQ(std::vector<uint8_t>(enlarged.rgb.begin(), enlarged.rgb.begin() + 33), first_row);
+  // 123 x 77 -> 56 x 112, summarized by Pillow's byte sum and FNV-1a 64 hash.
+  const Image mixed = resize_bilinear(make_image(123, 77, pillow_input_value), 56, 112);
+  uint64_t hash = 14695981039346656037ull, sum = 0;
+  for (uint8_t v : mixed.rgb) {
+    hash = (hash ^ v) * 1099511628211ull;
+    sum += v;
+  }
+  EXPECT_EQ(sum, 2403248u);
+  EXPECT_EQ(hash, 17891181366062860057ull);
+  // Different from the bicubic filter on the same input.
+  EXPECT_NE(resize_bicubic(make_image(6, 8, pillow_input_value), 4, 5).rgb, shrunk);
+}
+
+TEST(Gemma3ImageProcessor, ResizesRescalesAndNormalizesEachImageToOneSquare) {
+  const Image a = make_image(6, 8, pillow_input_value);
+  const Image b = make_image(16, 16, pillow_input_value);
+  Gemma3ImageProcessorOptions options;
+  options.size = 4;
+  const VisionInputs v = preprocess_gemma3({a, b}, options);
+  EXPECT_EQ(v.layout, VisionLayout::kPerImage);
+  EXPECT_EQ(v.pixel_values.sizes(), (std::vector<int64_t>{2, 3, 4, 4}));
+  EXPECT_EQ(detail::to_int64_vector(v.image_sizes), (std::vector<int64_t>{6, 8, 16, 16}));
+  // (byte / 255 - 0.5) / 0.5 of the bilinear 4x4 resize, channel 1 at row 2, column 3.
+  const Image resized = resize_bilinear(a, 4, 4);
+  const double expected = (resized.rgb[(2 * 4 + 3) * 3 + 1] / 255.0 - 0.5) / 0.5;
+  EXPECT_NEAR(v.pixel_values[0][1][2][3].item<double>(), expected, 1e-6);
+
+  const std::string released = R"({"do_normalize": true, "do_pan_and_scan": null, "do_rescale": true,
+    "do_resize": true, "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "Gemma3ImageProcessor",
+    "image_std": [0.5, 0.5, 0.5], "resample": 2, "rescale_factor": 0.00392156862745098,
+    "size": {"height": 896, "width": 896}})";
+  EXPECT_EQ(parse_gemma3_preprocessor_config(released, "released").size, 896);
+  for (const auto& [json, needle] :
+       {std::pair<std::string, std::string>{R"({"do_pan_and_scan": true})", "pan-and-scan"},
+        {R"({"resample": 3})", "expected 2 (bilinear)"},
+        {R"({"size": {"height": 896, "width": 448}})", "not square"}}) {
+    try {
+      parse_gemma3_preprocessor_config(json, "test");
+      ADD_FAILURE() << json;
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr(needle));
+    }
+  }
 }
 
 }  // namespace

@@ -40,6 +40,7 @@
 #include "vlmgen/generator.h"
 #include "vlmgen/io/safetensors.h"
 #include "vlmgen/logging.h"
+#include "vlmgen/models/gemma3.h"
 #include "vlmgen/models/quantization.h"
 #include "vlmgen/models/qwen2_vl.h"
 #include "vlmgen/parallel.h"
@@ -395,6 +396,41 @@ TEST(DISABLED_TpModelWorker, NewFamiliesEqualTp1UnderTpAndSp) {
   }
   EXPECT_GT(sp_counter->reduce_scatters, 0) << "sequence parallelism split the prefill";
   report("Qwen2.5-VL and Qwen3-VL: TP=2 (and + SP) vs TP=1 per-step logits, max|diff|", worst);
+}
+
+TEST(DISABLED_TpModelWorker, Gemma3EqualsTp1) {
+  // Heads, KV heads, MLP and vocabulary split over two ranks; the tower replicated. Under SP the
+  // generator decodes without a cache (Gemma3 does not split sequences), as a TP=1 no-cache run.
+  SKIP_UNLESS_WORKER();
+  auto [par, counter] = counted_context(/*sequence_parallel=*/false);
+  auto [sp, sp_counter] = counted_context(/*sequence_parallel=*/true);
+  const Gemma3Config config = Gemma3Config::tiny();
+  Gemma3 reference(config, 13);
+  Gemma3 tp_model(config, 13, 0.02, par);
+  Gemma3 sp_model(config, 13, 0.02, sp);
+  const std::vector<int64_t> image = {88, 90, 90, 90, 90, 89};
+  std::vector<int64_t> row0 = {2, 3}, row1 = {9};
+  row0.insert(row0.end(), image.begin(), image.end());
+  row0.insert(row0.end(), {4, 5});
+  row1.insert(row1.end(), image.begin(), image.end());
+  row1.insert(row1.end(), {10, 11, 12});
+  at::Generator gen = detail::make_cpu_generator(83);
+  const GenerateRequest request({row0, row1}, VisionInputs::per_image(at::randn({2, 3, 16, 16}, gen)));
+  double worst = 0.0;
+  for (const auto& [sequence_parallel, kv, chunk] :
+       {std::tuple<bool, bool, int64_t>{false, true, 0}, {false, false, 0}, {false, true, 3}, {true, true, 0}}) {
+    const auto gen_config = GenerationConfig().max_new_tokens(6).enable_kv_cache(kv).prefill_chunk_size(chunk);
+    const std::string what = fmt::format("gemma3, SP {}, kv {}, chunk {}", sequence_parallel, kv, chunk);
+    const auto tp1_config = GenerationConfig().max_new_tokens(6).enable_kv_cache(kv && !sequence_parallel);
+    RecordedRun tp1 =
+        generate_recorded(reference, ParallelContext::single(), request, sequence_parallel ? tp1_config : gen_config);
+    const ParallelContext& p = sequence_parallel ? sp : par;
+    RecordedRun tp2 = generate_recorded(sequence_parallel ? sp_model : tp_model, p, request, gen_config);
+    worst = std::max(worst, expect_run_matches_tp1(tp1, tp2, what));
+    expect_same_tokens_on_every_rank(tp2.result, *p.tp_group(), 6);
+  }
+  EXPECT_GT(counter->all_reduces, 0);
+  report("Gemma-3: TP=2 (and SP's no-cache fallback) vs TP=1 per-step logits, max|diff|", worst);
 }
 
 // A model that cannot decode with a KV cache under SP: the reference model behind traits that
@@ -918,6 +954,10 @@ TEST(TensorParallelModel, GreedyTp2EqualsTp1WithAndWithoutKvCache) {
 
 TEST(TensorParallelModel, Qwen2_5VlAndQwen3VlEqualTp1UnderTpAndSp) {
   EXPECT_EQ(run_workers(2, "DISABLED_TpModelWorker.NewFamiliesEqualTp1UnderTpAndSp", two_rank_env()), 0);
+}
+
+TEST(TensorParallelModel, Gemma3Tp2EqualsTp1) {
+  EXPECT_EQ(run_workers(2, "DISABLED_TpModelWorker.Gemma3EqualsTp1", two_rank_env()), 0);
 }
 
 TEST(TensorParallelModel, EngineTp2EqualsTp1Generator) {

@@ -42,6 +42,9 @@ struct QwenImageProcessorLimits {
 /// each pass rounded and clamped to [0, 255]). The HF processor resizes through PIL, so this
 /// reproduces its pixels exactly rather than approximately. Same size returns a copy.
 Image resize_bicubic(const Image& image, int64_t height, int64_t width);
+/// The same with Pillow's bilinear filter (`Image.resize(..., BILINEAR)`, a triangle of support 1,
+/// antialiased when shrinking): the resampling of Gemma-3's image processor.
+Image resize_bilinear(const Image& image, int64_t height, int64_t width);
 
 /// Qwen2-VL's resize rule: the (height, width) closest to the input whose sides are multiples
 /// of `factor` (patch_size * merge_size) and whose area lies in [min_pixels, max_pixels],
