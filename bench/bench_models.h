@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "vlmgen/kernels/cpu.h"
+#include "vlmgen/models/gemma3.h"
+#include "vlmgen/models/llava_next.h"
 #include "vlmgen/models/qwen2_vl.h"
 #include "vlmgen/testing/forward_spy.h"
 
@@ -82,9 +84,8 @@ inline int64_t decode_weight_bytes(Qwen2Vl& m) {
 }
 
 /// Plain text tokens: below every special id of the config.
-inline std::vector<int64_t> text_prompt(int64_t length, const QwenVlConfig& c, uint64_t seed) {
-  const int64_t limit =
-      std::min({c.vocab_size, c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id});
+/// `length` ordinary token ids below `limit` (the model's first special id), from `seed`.
+inline std::vector<int64_t> text_prompt(int64_t length, int64_t limit, uint64_t seed) {
   std::vector<int64_t> p(static_cast<size_t>(length));
   uint64_t x = seed;
   for (auto& t : p) {
@@ -92,6 +93,73 @@ inline std::vector<int64_t> text_prompt(int64_t length, const QwenVlConfig& c, u
     t = static_cast<int64_t>((x >> 33) % static_cast<uint64_t>(limit));
   }
   return p;
+}
+
+inline std::vector<int64_t> text_prompt(int64_t length, const QwenVlConfig& c, uint64_t seed) {
+  return text_prompt(
+      length,
+      std::min({c.vocab_size, c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id}),
+      seed);
+}
+
+/// The first id of `model`'s vocabulary that is an image, video or vision marker token.
+inline int64_t first_special_id(const CausalVlm& model) {
+  const ModelTraits& t = model.traits();
+  int64_t limit = t.vocab_size;
+  for (const auto& id : {t.image_token_id, t.video_token_id, t.vision_start_token_id, t.vision_end_token_id}) {
+    if (id) limit = std::min(limit, *id);
+  }
+  return limit;
+}
+
+/// Gemma-3 and LLaVA-NeXT with the 100M LM's sizes (config_100m): Gemma-3's sliding window of 512
+/// on 5 layers of 6 (so a context of 512 fits it), LLaVA-NeXT's Llama text model; small towers.
+inline Gemma3Config gemma3_100m() {
+  Gemma3Config c = Gemma3Config::tiny();
+  c.hidden_size = 768;
+  c.num_hidden_layers = 12;
+  c.num_attention_heads = 12;
+  c.num_key_value_heads = 4;
+  c.head_dim = 64;
+  c.query_pre_attn_scalar = 64;
+  c.intermediate_size = 2048;
+  c.vocab_size = 16384;
+  c.max_position_embeddings = 8192;
+  c.sliding_window = 512;
+  c.sliding_layers.clear();
+  for (int64_t i = 0; i < 12; ++i) c.sliding_layers.push_back((i + 1) % 6 != 0);
+  c.image_token_id = 16000;
+  c.boi_token_id = 16002;
+  c.eoi_token_id = 16003;
+  c.vision_hidden_size = 384;
+  c.vision_intermediate_size = 1536;
+  c.vision_num_hidden_layers = 4;
+  c.vision_num_attention_heads = 6;
+  c.image_size = 224;
+  c.patch_size = 14;
+  c.mm_tokens_per_image = 64;
+  return c;
+}
+
+inline LlavaNextConfig llava_next_100m() {
+  LlavaNextConfig c = LlavaNextConfig::tiny();
+  c.hidden_size = 768;
+  c.num_hidden_layers = 12;
+  c.num_attention_heads = 12;
+  c.num_key_value_heads = 4;
+  c.head_dim = 64;
+  c.intermediate_size = 2048;
+  c.vocab_size = 16384;
+  c.max_position_embeddings = 8192;
+  c.image_token_id = 16000;
+  c.vision_hidden_size = 384;
+  c.vision_intermediate_size = 1536;
+  c.vision_num_hidden_layers = 4;
+  c.vision_num_attention_heads = 6;
+  c.image_size = 224;
+  c.patch_size = 14;
+  c.image_grid_pinpoints = {{224, 448}, {448, 224}, {448, 448}};
+  return c;
 }
 
 /// Bytes of every weight of the model (a tied lm_head once).

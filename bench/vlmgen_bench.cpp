@@ -70,10 +70,10 @@ struct DecodeFigures {
 };
 
 /// Generates `new_tokens` after a text prompt of `context` tokens; times the decode calls.
-DecodeFigures decode(Qwen2Vl& model, int64_t context, int64_t new_tokens, bool kv) {
+DecodeFigures decode(CausalVlm& model, int64_t context, int64_t new_tokens, bool kv) {
   TimedModel timed(model);
   Generator generator(timed);
-  auto prompt = text_prompt(context, model.config(), static_cast<uint64_t>(context));
+  auto prompt = text_prompt(context, first_special_id(model), static_cast<uint64_t>(context));
   auto config = GenerationConfig().max_new_tokens(new_tokens).enable_kv_cache(kv);
   generator.generate({{prompt}}, GenerationConfig().max_new_tokens(2).enable_kv_cache(kv));  // warm-up
   timed.reset();
@@ -94,12 +94,13 @@ DecodeFigures decode(Qwen2Vl& model, int64_t context, int64_t new_tokens, bool k
 /// cost what a Qwen2-VL one does (q/k norms aside).
 void family_decode_table(int rounds, nlohmann::json& out) {
   const QwenFamily families[] = {QwenFamily::kQwen2Vl, QwenFamily::kQwen2_5Vl, QwenFamily::kQwen3Vl};
-  std::vector<std::unique_ptr<QwenVl>> models;
-  for (QwenFamily f : families) models.push_back(std::make_unique<QwenVl>(config_100m(f), 1));
+  std::vector<std::pair<std::string, std::unique_ptr<CausalVlm>>> models;
+  for (QwenFamily f : families) models.emplace_back(family_model_type(f), std::make_unique<QwenVl>(config_100m(f), 1));
+  models.emplace_back("gemma3", std::make_unique<Gemma3>(gemma3_100m(), 1));
+  models.emplace_back("llava_next", std::make_unique<LlavaNext>(llava_next_100m(), 1));
   std::map<std::string, std::vector<double>> runs;
   for (int round = 0; round < rounds; ++round) {
-    for (auto& m : models)
-      runs[family_model_type(m->config().family)].push_back(decode(*m, 512, 16, true).ms_per_token);
+    for (auto& [name, m] : models) runs[name].push_back(decode(*m, 512, 16, true).ms_per_token);
   }
   fmt::print("\n{:<34}{:>12}\n", "decode ms/token by family (100M LM)", "context 512");
   std::map<std::string, double> medians;

@@ -1,4 +1,4 @@
-// Runs generation from a Qwen-VL or Gemma-3 checkpoint directory, token ids and image files, printing the
+// Runs generation from a Qwen-VL, Gemma-3 or LLaVA-NeXT checkpoint directory, token ids and image files, printing the
 // tokens as they stream.
 //
 //   vlmgen-generate --checkpoint DIR --prompt "5 6 <image> 7" --image cat.png
@@ -33,9 +33,11 @@
 #include "vlmgen/error.h"
 #include "vlmgen/generator.h"
 #include "vlmgen/image/gemma3_image_processor.h"
+#include "vlmgen/image/llava_next_image_processor.h"
 #include "vlmgen/image/preprocessor_config.h"
 #include "vlmgen/image/qwen_image_processor.h"
 #include "vlmgen/models/gemma3.h"
+#include "vlmgen/models/llava_next.h"
 #include "vlmgen/models/load_model.h"
 #include "vlmgen/models/qwen_vl.h"
 #include "vlmgen/text/tokenizer.h"
@@ -52,9 +54,9 @@ std::vector<int64_t> build_prompt(const std::string& text, const vlmgen::ModelTr
     if (word == "<image>") {
       VLMGEN_CHECK(image < image_tokens.size(), "the prompt has more <image> markers than the {} --image files",
                    image_tokens.size());
-      ids.push_back(*config.vision_start_token_id);
+      if (config.vision_start_token_id) ids.push_back(*config.vision_start_token_id);
       ids.insert(ids.end(), static_cast<size_t>(image_tokens[image++]), *config.image_token_id);
-      ids.push_back(*config.vision_end_token_id);
+      if (config.vision_end_token_id) ids.push_back(*config.vision_end_token_id);
       continue;
     }
     size_t used = 0;
@@ -86,9 +88,9 @@ std::vector<int64_t> tokenize_prompt(const std::string& text, const std::string&
     if (at == std::string::npos) break;
     VLMGEN_CHECK(image < image_tokens.size(), "the text has more <image> markers than the {} --image files",
                  image_tokens.size());
-    ids.push_back(*config.vision_start_token_id);
+    if (config.vision_start_token_id) ids.push_back(*config.vision_start_token_id);
     ids.insert(ids.end(), static_cast<size_t>(image_tokens[image++]), *config.image_token_id);
-    ids.push_back(*config.vision_end_token_id);
+    if (config.vision_end_token_id) ids.push_back(*config.vision_end_token_id);
     from = at + kMarker.size();
   }
   VLMGEN_CHECK(image == image_tokens.size(), "{} --image files but {} <image> markers in the text", image_tokens.size(),
@@ -96,11 +98,44 @@ std::vector<int64_t> tokenize_prompt(const std::string& text, const std::string&
   return ids;
 }
 
+// The images as the checkpoint's family and folder preprocess them (HF's settings, so the model
+// sees what it would under HF); --max-pixels/--min-pixels override a Qwen-VL folder's and say so.
+vlmgen::VisionInputs preprocess_for(vlmgen::CausalVlm& model, const std::string& checkpoint,
+                                    const std::vector<vlmgen::Image>& images, int64_t max_pixels, int64_t min_pixels,
+                                    bool lead) {
+  auto* qwen = dynamic_cast<vlmgen::QwenVl*>(&model);
+  auto* gemma = dynamic_cast<vlmgen::Gemma3*>(&model);
+  auto* llava = dynamic_cast<vlmgen::LlavaNext*>(&model);
+  VLMGEN_CHECK(qwen != nullptr || (max_pixels == 0 && min_pixels == 0),
+               "--max-pixels/--min-pixels apply to the Qwen-VL families only (this model resizes to its own tiles)");
+  if (llava != nullptr) {
+    if (images.empty()) return {};
+    return vlmgen::preprocess_llava_next(images, vlmgen::LlavaNextImageProcessorOptions::for_model(llava->config()));
+  }
+  if (gemma != nullptr) {
+    const auto options = vlmgen::gemma3_image_processor(checkpoint, gemma->config().image_size);
+    return images.empty() ? vlmgen::VisionInputs() : vlmgen::preprocess_gemma3(images, options);
+  }
+  VLMGEN_CHECK(qwen != nullptr, "vlmgen-generate has no image preprocessing for this model");
+  std::string source;
+  auto options = vlmgen::checkpoint_image_processor(checkpoint, qwen->config(), &source);
+  if (lead && !images.empty()) fmt::print(stderr, "images preprocessed with {}\n", source);
+  if (max_pixels > 0) {
+    if (lead) fmt::print(stderr, "--max-pixels {} overrides max_pixels {}\n", max_pixels, options.max_pixels());
+    options.max_pixels(max_pixels);
+  }
+  if (min_pixels > 0) {
+    if (lead) fmt::print(stderr, "--min-pixels {} overrides min_pixels {}\n", min_pixels, options.min_pixels());
+    options.min_pixels(min_pixels);
+  }
+  return images.empty() ? vlmgen::VisionInputs() : vlmgen::preprocess(images, options);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   vlmgen::detail::prefer_passive_openmp_wait(argv);
-  CLI::App app("Generate with a Qwen-VL or Gemma-3 checkpoint, streaming tokens");
+  CLI::App app("Generate with a Qwen-VL, Gemma-3 or LLaVA-NeXT checkpoint, streaming tokens");
   std::string checkpoint, prompt_text, replay = "span-aware";
   std::vector<std::string> image_paths;
   std::vector<int64_t> end_ids;
@@ -181,35 +216,12 @@ int main(int argc, char** argv) {
     const bool lead = rank == 0;
     auto model = vlmgen::load_model(checkpoint, parallel, vlmgen::load_options_for(dtype, device));
     auto* qwen = dynamic_cast<vlmgen::QwenVl*>(model.get());
-    auto* gemma = dynamic_cast<vlmgen::Gemma3*>(model.get());
     const vlmgen::ModelTraits& config = model->traits();
     std::vector<vlmgen::Image> images;
     for (int64_t row = 0; row < batch; ++row) {
       for (const auto& path : image_paths) images.push_back(vlmgen::load_image(path));
     }
-    // The folder's own preprocessing, so the model sees what it would under HF; flags override
-    // and say so.
-    vlmgen::VisionInputs vision;
-    if (gemma != nullptr) {
-      VLMGEN_CHECK(max_pixels == 0 && min_pixels == 0,
-                   "--max-pixels/--min-pixels do not apply to gemma3 (every image is resized to {}x{})",
-                   gemma->config().image_size, gemma->config().image_size);
-      const auto options = vlmgen::gemma3_image_processor(checkpoint, gemma->config().image_size);
-      if (!images.empty()) vision = vlmgen::preprocess_gemma3(images, options);
-    } else {
-      std::string source;
-      auto options = vlmgen::checkpoint_image_processor(checkpoint, qwen->config(), &source);
-      if (lead && !image_paths.empty()) fmt::print(stderr, "images preprocessed with {}\n", source);
-      if (max_pixels > 0) {
-        if (lead) fmt::print(stderr, "--max-pixels {} overrides max_pixels {}\n", max_pixels, options.max_pixels());
-        options.max_pixels(max_pixels);
-      }
-      if (min_pixels > 0) {
-        if (lead) fmt::print(stderr, "--min-pixels {} overrides min_pixels {}\n", min_pixels, options.min_pixels());
-        options.min_pixels(min_pixels);
-      }
-      if (!images.empty()) vision = vlmgen::preprocess(images, options);
-    }
+    const vlmgen::VisionInputs vision = preprocess_for(*model, checkpoint, images, max_pixels, min_pixels, lead);
     std::vector<int64_t> counts = model->placeholder_counts(vision);
     counts.resize(image_paths.size());  // the first row's; every row has the same images
     std::vector<int64_t> prompt = text_option->count() > 0 ? tokenize_prompt(text, checkpoint, config, counts)

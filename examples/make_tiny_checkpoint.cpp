@@ -1,7 +1,7 @@
-// Writes a random tiny Qwen-VL or Gemma-3 checkpoint directory (config.json + model.safetensors) that
+// Writes a random tiny Qwen-VL, Gemma-3 or LLaVA-NeXT checkpoint directory (config.json + model.safetensors) that
 // vlmgen-generate and the tests can load like a real one.
 //
-//   vlmgen-make-tiny-checkpoint --out /tmp/tiny-qwen2vl [--family qwen2_vl|qwen2_5_vl|qwen3_vl|gemma3]
+//   vlmgen-make-tiny-checkpoint --out /tmp/tiny-qwen2vl [--family qwen2_vl|qwen2_5_vl|qwen3_vl|gemma3|llava_next]
 //                               [--seed 7] [--tied] [--real-vocab]
 //
 // --real-vocab gives it Qwen2-VL's vocabulary size and special-token ids, so a real Qwen
@@ -15,6 +15,7 @@
 #include "vlmgen/error.h"
 #include "vlmgen/image/preprocessor_config.h"
 #include "vlmgen/models/gemma3.h"
+#include "vlmgen/models/llava_next.h"
 #include "vlmgen/models/qwen_vl.h"
 
 int main(int argc, char** argv) {
@@ -25,9 +26,9 @@ int main(int argc, char** argv) {
   uint64_t seed = 0;
   bool tied = false, real_vocab = false;
   app.add_option("--out", out, "checkpoint directory to write (created when missing)")->required();
-  app.add_option("--family", family_name, "model family: qwen2_vl, qwen2_5_vl, qwen3_vl or gemma3")
+  app.add_option("--family", family_name, "model family: qwen2_vl, qwen2_5_vl, qwen3_vl, gemma3 or llava_next")
       ->capture_default_str()
-      ->check(CLI::IsMember({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3"}));
+      ->check(CLI::IsMember({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava_next"}));
   app.add_option("--seed", seed, "seed of the random weights")->capture_default_str();
   app.add_flag("--tied", tied, "tie lm_head to the token embedding (no lm_head.weight stored)");
   app.add_flag("--real-vocab", real_vocab, "Qwen2-VL's vocabulary size (151936) and vision token ids");
@@ -40,6 +41,18 @@ int main(int argc, char** argv) {
       vlmgen::Gemma3 model(config, seed);
       model.save_checkpoint(out);
       fmt::print("wrote {} (gemma3, {} parameters, hidden {}, {} layers, vocab {}, image token {})\n", out,
+                 config.parameter_count(), config.hidden_size, config.num_hidden_layers, config.vocab_size,
+                 config.image_token_id);
+      return 0;
+    }
+    if (family_name == "llava_next") {
+      // LlavaNextConfig::tiny(): 8x8 tiles, placeholders per image from its size (llava_next_placeholder_count).
+      VLMGEN_CHECK(!real_vocab, "--real-vocab is for the Qwen-VL families");
+      vlmgen::LlavaNextConfig config = vlmgen::LlavaNextConfig::tiny();
+      config.tie_word_embeddings = tied;
+      vlmgen::LlavaNext model(config, seed);
+      model.save_checkpoint(out);
+      fmt::print("wrote {} (llava_next, {} parameters, hidden {}, {} layers, vocab {}, image token {})\n", out,
                  config.parameter_count(), config.hidden_size, config.num_hidden_layers, config.vocab_size,
                  config.image_token_id);
       return 0;

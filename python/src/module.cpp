@@ -582,7 +582,8 @@ void bind_models(py::module_& m) {
       },
       py::arg("dir"), py::arg("dtype") = "f32", py::arg("device") = "cpu",
       "Loads a checkpoint folder (config.json + *.safetensors) of a supported family (qwen2_vl, qwen2_5_vl, "
-      "qwen3_vl) as a vlmgen.Model. dtype: the language model's weights, 'f32' (default), 'bf16', 'f16', or 'fp8' "
+      "qwen3_vl, gemma3, llava_next) as a vlmgen.Model. dtype: the language model's weights, 'f32' (default), 'bf16', "
+      "'f16', or 'fp8' "
       "(an FP8 checkpoint's linears kept as bytes, the rest bf16; CPU); compute is float32 on the CPU. device: "
       "'cpu' (default), 'cuda' or 'cuda:N' (there a 16-bit dtype runs the linears in that dtype).");
 }

@@ -37,11 +37,13 @@ VisionInputs preprocess_gemma3(const std::vector<Image>& images, const Gemma3Ima
   return VisionInputs::per_image(at::stack(pixels), at::tensor(sizes, at::kLong).view({n, 2}));
 }
 
-Gemma3ImageProcessorOptions parse_gemma3_preprocessor_config(std::string_view json_text, const std::string& what) {
+Gemma3ImageProcessorOptions parse_gemma3_preprocessor_config(std::string_view json_text, const std::string& what,
+                                                             int64_t default_size) {
   const nlohmann::json j =
       detail::parse_json(std::string(json_text), what, JsonLimits().max_bytes(kMaxPreprocessorConfigBytes));
   VLMGEN_CHECK(j.is_object(), "{}: expected a JSON object, got {}", what, j.type_name());
   Gemma3ImageProcessorOptions o;
+  o.size = default_size;
   auto field = [&](const char* key) -> const nlohmann::json* {
     auto it = j.find(key);
     return it == j.end() || it->is_null() ? nullptr : &*it;
@@ -88,7 +90,7 @@ Gemma3ImageProcessorOptions gemma3_image_processor(const std::string& dir, int64
   o.size = image_size;
   if (!std::filesystem::exists(path)) return o;
   o = parse_gemma3_preprocessor_config(
-      read_regular_file(path.string(), "preprocessor config", kMaxPreprocessorConfigBytes), path.string());
+      read_regular_file(path.string(), "preprocessor config", kMaxPreprocessorConfigBytes), path.string(), image_size);
   VLMGEN_CHECK(o.size == image_size, "{}: size {} disagrees with the vision tower's image_size {}", path.string(),
                o.size, image_size);
   return o;

@@ -1,7 +1,8 @@
 #pragma once
 
-// Writing an HF checkpoint folder (config.json + model.safetensors) from the full tensors, once
-// for a tensor-parallel group. Private to src/models.
+// HF checkpoint folders: where a multimodal model's tensors sit (either transformers spelling), and
+// writing config.json + model.safetensors from the full tensors, once for a tensor-parallel group.
+// Private to src/models.
 
 #include <ATen/ATen.h>
 
@@ -10,12 +11,25 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "vlmgen/distributed/communicator.h"
 #include "vlmgen/error.h"
 #include "vlmgen/io/safetensors.h"
 
 namespace vlmgen::detail {
+
+/// Where tensor `name` of a transformers conditional-generation model (>= 4.52 spelling:
+/// `model.language_model.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`,
+/// `lm_head.weight`) may sit in a checkpoint: that name, then the earlier spelling
+/// (`language_model.model.*`, `language_model.lm_head.weight`, `vision_tower.*`, ...).
+inline std::vector<std::string> multimodal_name_candidates(const std::string& name) {
+  const std::string lm = "model.language_model.";
+  if (name.compare(0, lm.size(), lm) == 0) return {name, "language_model.model." + name.substr(lm.size())};
+  if (name == "lm_head.weight") return {name, "language_model.lm_head.weight"};
+  if (name.compare(0, 6, "model.") == 0) return {name, name.substr(6)};
+  return {name};
+}
 
 inline void write_checkpoint_folder(const std::string& dir, const std::string& config_json,
                                     const std::map<std::string, at::Tensor>& tensors) {

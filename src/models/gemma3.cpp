@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "qwen_vl_ops.h"
+#include "vit_ops.h"
 #include "vlmgen/detail/tensor_utils.h"
 #include "vlmgen/detail/torch_compat.h"
 #include "vlmgen/distributed/tensor_parallel.h"
@@ -53,28 +54,6 @@ ModelTraits make_traits(const Gemma3Config& c, int64_t tp) {
   t.kv_cache.head_dim = c.head_dim;
   t.kv_cache.dtype = at::kFloat;
   return t;
-}
-
-/// Query columns per chunk of the vision tower's attention (bounds the score tensor).
-constexpr int64_t kVisionQueryChunk = 512;
-
-/// SigLIP self-attention over all patches of one image: x [P, E] -> [P, E].
-at::Tensor vision_attention(const at::Tensor& x, const gemma3::VisionLayer& l, int64_t heads) {
-  const int64_t p = x.size(0), e = x.size(1), d = e / heads;
-  auto split = [&](const qwen_vl::Linear& lin) {
-    return detail::apply_linear(x, lin).view({p, heads, d}).transpose(0, 1);
-  };
-  const at::Tensor q = split(l.q_proj), k = split(l.k_proj), v = split(l.v_proj);  // [heads, P, d]
-  const at::Tensor kt = k.transpose(1, 2);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  std::vector<at::Tensor> parts;
-  for (int64_t c0 = 0; c0 < p; c0 += kVisionQueryChunk) {
-    const int64_t n = std::min(kVisionQueryChunk, p - c0);
-    at::Tensor scores = at::matmul(q.narrow(1, c0, n), kt).mul_(scale);
-    parts.push_back(at::matmul(at::softmax(scores, -1), v));
-  }
-  at::Tensor out = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
-  return detail::apply_linear(out.transpose(0, 1).reshape({p, e}), l.out_proj);
 }
 
 }  // namespace
@@ -123,9 +102,7 @@ void Gemma3::allocate_weights() {
     vision_.position_embedding = at::empty({patches, e}, opts);
     vision_.layers.clear();
     for (int64_t i = 0; i < c.vision_num_hidden_layers; ++i) {
-      vision_.layers.push_back(gemma3::VisionLayer{
-          layer_norm(e), linear(e, e, true), linear(e, e, true), linear(e, e, true), linear(e, e, true), layer_norm(e),
-          linear(c.vision_intermediate_size, e, true), linear(e, c.vision_intermediate_size, true)});
+      vision_.layers.push_back(detail::allocate_encoder_layer(e, c.vision_intermediate_size, opts));
     }
     vision_.post_layernorm = layer_norm(e);
     vision_.mm_soft_emb_norm = at::empty({e}, opts);
@@ -208,16 +185,9 @@ std::vector<Gemma3::WeightSlot> Gemma3::weight_slots() {
   add(v + "embeddings.patch_embedding.bias", vision_.patch_embedding_bias);
   add(v + "embeddings.position_embedding.weight", vision_.position_embedding);
   for (size_t i = 0; i < vision_.layers.size(); ++i) {
-    gemma3::VisionLayer& l = vision_.layers[i];
-    const std::string p = v + "encoder.layers." + std::to_string(i) + ".";
-    add_norm(p + "layer_norm1", l.layer_norm1);
-    add_linear(p + "self_attn.q_proj", l.q_proj);
-    add_linear(p + "self_attn.k_proj", l.k_proj);
-    add_linear(p + "self_attn.v_proj", l.v_proj);
-    add_linear(p + "self_attn.out_proj", l.out_proj);
-    add_norm(p + "layer_norm2", l.layer_norm2);
-    add_linear(p + "mlp.fc1", l.fc1);
-    add_linear(p + "mlp.fc2", l.fc2);
+    std::vector<std::pair<std::string, at::Tensor*>> layer;
+    detail::add_encoder_layer_weights(v + "encoder.layers." + std::to_string(i) + ".", vision_.layers[i], layer);
+    for (auto& [name, tensor] : layer) add(name, *tensor);
   }
   add_norm(v + "post_layernorm", vision_.post_layernorm);
   add("model.multi_modal_projector.mm_soft_emb_norm.weight", vision_.mm_soft_emb_norm);
@@ -283,12 +253,12 @@ at::Tensor Gemma3::run_vision_tower(const VisionInputs& vision) {
     at::Tensor img = pixels.narrow(0, i, 1).to(dev, at::kFloat);
     at::Tensor x = at::conv2d(img, vision_.patch_embedding, vision_.patch_embedding_bias, {c.patch_size, c.patch_size});
     x = x.flatten(2).transpose(1, 2).squeeze(0) + vision_.position_embedding;  // [P, E]
+    x = x.unsqueeze(0);                                                        // one sequence of P patches
     for (const gemma3::VisionLayer& l : vision_.layers) {
-      x = x + vision_attention(detail::apply_layer_norm(x, l.layer_norm1, c.vision_layer_norm_eps), l,
-                               c.vision_num_attention_heads);
-      at::Tensor h = detail::apply_layer_norm(x, l.layer_norm2, c.vision_layer_norm_eps);
-      x = x + detail::apply_linear(at::gelu(detail::apply_linear(h, l.fc1), "tanh"), l.fc2);
+      x = detail::run_encoder_layer(x, l, c.vision_num_attention_heads, c.vision_layer_norm_eps,
+                                    detail::VitActivation::kTanhGelu);
     }
+    x = x.squeeze(0);
     x = detail::apply_layer_norm(x, vision_.post_layernorm, c.vision_layer_norm_eps);
     // The projector: patches back on their grid, averaged k x k, normalized, projected.
     at::Tensor grid = x.transpose(0, 1).reshape({1, e, side, side});
@@ -412,9 +382,11 @@ at::Tensor Gemma3::forward(const ForwardArgs& args) {
                  placeholders, have_embeddings ? "image_embeddings" : "vision inputs", rows,
                  have_embeddings ? static_cast<int64_t>(args.images.size()) : args.vision.num_images(),
                  config_.mm_tokens_per_image);
-    at::Tensor placed =
-        have_embeddings ? args.image_embeddings.to(device(), at::kFloat) : run_vision_tower(args.vision);
-    hidden.view({b * s, h}).index_copy_(0, placeholder.nonzero().squeeze(1), placed);
+    if (rows > 0) {  // an empty bundle places nothing
+      at::Tensor placed =
+          have_embeddings ? args.image_embeddings.to(device(), at::kFloat) : run_vision_tower(args.vision);
+      hidden.view({b * s, h}).index_copy_(0, placeholder.nonzero().squeeze(1), placed);
+    }
   }
   return run_language_model(hidden, w);
 }

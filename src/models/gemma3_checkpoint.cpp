@@ -17,17 +17,6 @@ namespace {
 
 bool starts_with(const std::string& s, const std::string& prefix) { return s.compare(0, prefix.size(), prefix) == 0; }
 
-/// Where tensor `name` (transformers >= 4.52 spelling) may sit in a checkpoint: that name, then
-/// the earlier spelling (`language_model.model.*`, `language_model.lm_head.weight`,
-/// `vision_tower.*`, `multi_modal_projector.*`).
-std::vector<std::string> name_candidates(const std::string& name) {
-  const std::string lm = "model.language_model.";
-  if (starts_with(name, lm)) return {name, "language_model.model." + name.substr(lm.size())};
-  if (name == "lm_head.weight") return {name, "language_model.lm_head.weight"};
-  if (starts_with(name, "model.")) return {name, name.substr(6)};
-  return {name};
-}
-
 }  // namespace
 
 std::unique_ptr<Gemma3> Gemma3::from_checkpoint(const std::string& dir, const ParallelContext& parallel,
@@ -51,7 +40,7 @@ std::unique_ptr<Gemma3> Gemma3::from_checkpoint(const std::string& dir, const Pa
   std::vector<WeightSlot> slots = model->weight_slots();
   std::vector<std::string> sources(slots.size()), missing;
   for (size_t i = 0; i < slots.size(); ++i) {
-    for (const std::string& candidate : name_candidates(slots[i].name)) {
+    for (const std::string& candidate : detail::multimodal_name_candidates(slots[i].name)) {
       if (checkpoint.contains(candidate)) {
         sources[i] = candidate;
         break;

@@ -65,6 +65,8 @@ void read_rope(const FieldReader& text, Gemma3Config& c) {
     VLMGEN_CHECK(type == "default" || type == "linear",
                  "config field '{}' asks for RoPE scaling \"{}\"; vlmgen implements Gemma-3's \"linear\" (and none)",
                  where, type);
+    VLMGEN_CHECK(type != "linear" || rope.contains("factor"),
+                 "config field '{}' asks for linear RoPE scaling but has no 'factor'", where);
     *factor = type == "linear" ? detail::as_double(rope.at("factor"), where + ".factor") : 1.0;
   };
   if (const Json* params = text.find("rope_parameters", &field);
@@ -175,6 +177,11 @@ int64_t Gemma3Config::parameter_count() const {
 Gemma3Config Gemma3Config::from_json(const std::string& text_in) {
   const Json root = detail::parse_json(text_in, "config", JsonLimits().max_bytes(Limits::kMaxConfigBytes));
   VLMGEN_CHECK(root.is_object(), "config must be a JSON object, got {}", root.type_name());
+  for (const char* section : {"text_config", "vision_config"}) {
+    VLMGEN_CHECK(!root.contains(section) || root.at(section).is_null() || root.at(section).is_object(),
+                 "gemma3 config: {} must be an object, got JSON {} ({})", section, root.at(section).type_name(),
+                 detail::json_excerpt(root.at(section)));
+  }
   std::vector<Scope> text_scopes;
   if (root.contains("text_config") && root.at("text_config").is_object())
     text_scopes.push_back({&root.at("text_config"), "text_config."});

@@ -47,7 +47,7 @@ struct Visibility {
 constexpr int64_t kAttentionChunk = 256;
 
 /// q [B, heads, S, D] over k, v [B, kv, K, D]: [B, heads, S, D]. One-column decode steps of
-/// text on the CPU use kernels::decode_attention (the window folded into the keys' mask);
+/// text on the CPU use kernels::decode_attention (over the window's keys only on a sliding layer);
 /// otherwise GQA as batched matmuls over query chunks, each with its own slice of the mask.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Visibility& vis) {
   const int64_t b = q.size(0), heads = q.size(1), s = q.size(2), d = q.size(3);
@@ -55,9 +55,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const auto long_opts = at::TensorOptions().dtype(at::kLong).device(q.device());
   const at::Tensor key_cols = at::arange(vis.key_begin, vis.key_begin + keys, long_opts).unsqueeze(0);  // [1, K]
   if (q.device().is_cpu() && s == 1 && !vis.groups.defined() && kernels::enabled() && !at::GradMode::is_enabled()) {
-    at::Tensor real = vis.key_real;
-    if (vis.window > 0) real = real.logical_and(key_cols.gt(vis.window_start - vis.window));
-    return kernels::decode_attention(q, k, v, real, vis.window_start - vis.key_begin, vis.scale);
+    // A sliding layer reads only the last `window` keys: its decode step costs the window, not
+    // the context.
+    const int64_t first = vis.window > 0 ? std::max<int64_t>(0, vis.window_start - vis.key_begin - vis.window + 1) : 0;
+    return kernels::decode_attention(q, k.narrow(2, first, keys - first), v.narrow(2, first, keys - first),
+                                     vis.key_real.narrow(1, first, keys - first),
+                                     vis.window_start - vis.key_begin - first, vis.scale);
   }
   const double blocked_score = std::numeric_limits<float>::lowest();
   const at::Tensor kt = k.transpose(-1, -2);

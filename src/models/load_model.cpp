@@ -8,6 +8,7 @@
 #include "vlmgen/error.h"
 #include "vlmgen/io/files.h"
 #include "vlmgen/models/gemma3.h"
+#include "vlmgen/models/llava_next.h"
 #include "vlmgen/models/qwen_vl.h"
 
 namespace vlmgen {
@@ -33,8 +34,10 @@ std::unique_ptr<CausalVlm> load_model(const std::string& dir, const ParallelCont
   const std::string type = checkpoint_model_type(dir);
   if (type == "gemma3" || type == "Gemma3ForConditionalGeneration")
     return Gemma3::from_checkpoint(dir, parallel, options);
+  if (type == "llava_next" || type == "LlavaNextForConditionalGeneration")
+    return LlavaNext::from_checkpoint(dir, parallel, options);
   VLMGEN_CHECK(family_from_name(type).has_value(),
-               "checkpoint {}: model type '{}' is not supported; supported: {}, gemma3", dir, type,
+               "checkpoint {}: model type '{}' is not supported; supported: {}, gemma3, llava_next", dir, type,
                supported_family_names());
   return QwenVl::from_checkpoint(dir, parallel, options);
 }

@@ -228,9 +228,104 @@ TEST_F(Gemma3Test, ImageTokensAttendBothWaysAndAWindowThatCutsAnImageIsRefused) 
     EXPECT_THAT(e.what(), HasSubstr("must not end inside an image"));
   }
   EXPECT_EQ(ctx.length(), 0);
-  auto result = Generator(*model_).generate(make_request({concat({{2, 5}, image(), {6, 7}})}, vision),
-                                            GenerationConfig().max_new_tokens(3).prefill_chunk_size(3));
-  EXPECT_EQ(result.sequences[0].tokens.size(), 3u);
+
+  // A window that starts inside an image (its first placeholders already in the cache) too.
+  ForwardArgs head;
+  head.input_ids = at::tensor(std::vector<int64_t>{2, 5, kBoi, 1, 1}, at::kLong).view({1, 5});
+  head.position_ids = at::arange(5, at::kLong).unsqueeze(0);
+  head.context = &ctx;
+  model_->forward(head);
+  ctx.commit(base.ids.narrow(1, 0, 5), base.mask.narrow(1, 0, 5));  // columns 3 and 4 are placeholders
+  ForwardArgs tail;
+  tail.input_ids = base.ids.narrow(1, 5, 5);
+  tail.position_ids = at::arange(5, 10, at::kLong).unsqueeze(0);
+  tail.context = &ctx;
+  tail.window_start = 5;
+  try {
+    model_->forward(tail);
+    ADD_FAILURE() << "a window starting inside an image must be refused";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("cuts the image whose placeholders begin at column 3"));
+  }
+
+  // The generator moves chunk edges out of the image (placeholders at columns [3, 7)), and the
+  // chunked run's tokens equal the one-shot run's.
+  testing::ForwardSpy spy(*model_);
+  const GenerateRequest request = make_request({concat({{2, 5}, image(), {6, 7}})}, vision);
+  auto chunked = Generator(spy).generate(request, GenerationConfig().max_new_tokens(3).prefill_chunk_size(3));
+  for (const testing::ForwardCall& call : spy.calls()) {
+    EXPECT_FALSE(call.window_start > 3 && call.window_start < 7) << "a chunk starts inside the image";
+    EXPECT_FALSE(call.window_end > 3 && call.window_end < 7) << "a chunk ends inside the image";
+  }
+  EXPECT_GE(spy.calls().size(), 3u + 2u) << "the prefill ran in chunks";
+  auto one_shot = Generator(*model_).generate(request, GenerationConfig().max_new_tokens(3));
+  EXPECT_EQ(chunked.sequences[0].tokens, one_shot.sequences[0].tokens);
+}
+
+TEST_F(Gemma3Test, CachedDecodeStepsPastTheSlidingWindowEqualTheFullForward) {
+  // The ragged batch prefilled into a cache, then 9 one-column steps (the window is 5 columns):
+  // each step's logits equal the full forward's column, the sliding layers reading only their
+  // window's keys.
+  std::vector<std::vector<int64_t>> rows = batch_rows();
+  for (auto& row : rows) {
+    for (int64_t t = 0; t < 9; ++t) row.push_back(20 + 3 * t + static_cast<int64_t>(row.size() % 2));
+  }
+  const int64_t steps = 9;
+  Batch all = left_pad(rows);
+  const at::Tensor full = full_forward(*model_, all, batch_vision());
+  const RopePlan plan = model_->plan_positions(all.ids, all.mask, batch_vision());
+  const int64_t len = all.ids.size(1), prompt = len - steps;
+  InferenceContext ctx(model_->traits().kv_cache, 2, len);
+  double worst = 0.0;
+  for (int64_t start = 0; start < len;) {
+    const int64_t end = start == 0 ? prompt : start + 1;
+    ForwardArgs args;
+    args.input_ids = all.ids.narrow(1, start, end - start);
+    args.attention_mask = all.mask.narrow(1, 0, end);
+    args.position_ids = plan.prompt_positions.narrow(1, start, end - start);
+    args.context = &ctx;
+    args.window_start = start;
+    if (start == 0) args.vision = batch_vision();
+    const at::Tensor logits = model_->forward(args);
+    ctx.commit(args.input_ids, all.mask.narrow(1, start, end - start));
+    if (start > 0) worst = std::max(worst, max_abs_diff(logits, full.narrow(1, start, 1)));
+    start = end;
+  }
+  report("gemma3 cached decode steps past the sliding window vs full forward, max|diff|", worst);
+  EXPECT_LE(worst, kCacheTolerance);
+}
+
+TEST_F(Gemma3Test, BadImagesAreRefusedBeforeTheModelRunsAndTheModelStaysUsable) {
+  Generator generator(*model_);
+  testing::ForwardSpy spy(*model_);
+  auto message = [&](const std::vector<int64_t>& prompt, const VisionInputs& vision) {
+    try {
+      Generator(spy).generate(make_request({prompt}, vision), GenerationConfig().max_new_tokens(2));
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    ADD_FAILURE() << "accepted";
+    return std::string();
+  };
+  // Three placeholders for an image of four.
+  EXPECT_THAT(message({2, kBoi, kImage, kImage, kImage, kEoi, 6}, hashed_images({1001})),
+              HasSubstr("hold 3 image placeholder tokens (id 90) but the vision bundle's 1 images need 4"));
+  // Pixels of another size, and the patch-flattened layout.
+  EXPECT_THAT(message(concat({{2}, image(), {6}}), VisionInputs::per_image(at::zeros({1, 3, 8, 8}))),
+              HasSubstr("pixel_values must be [N, 3, 16, 16]"));
+  EXPECT_THAT(message(concat({{2}, image(), {6}}),
+                      VisionInputs::patch_flattened(at::zeros({4, 48}),
+                                                    at::tensor(std::vector<int64_t>{1, 2, 2}).view({1, 3}))),
+              HasSubstr("expects per-image"));
+  EXPECT_EQ(spy.calls().size(), 0u) << "refused before any forward";
+  // An empty bundle with a text-only prompt runs.
+  ForwardArgs text;
+  text.input_ids = at::tensor(std::vector<int64_t>{2, 5, 6}, at::kLong).view({1, 3});
+  text.position_ids = at::arange(3, at::kLong).unsqueeze(0);
+  text.vision = VisionInputs::per_image(at::zeros({0, 3, 16, 16}));
+  EXPECT_EQ(model_->forward(text).sizes(), (std::vector<int64_t>{1, 3, 96}));
+  auto result = generator.generate(make_request(batch_rows(), batch_vision()), GenerationConfig().max_new_tokens(2));
+  EXPECT_EQ(result.sequences[1].tokens.size(), 2u);
 }
 
 // Forwards the vision tensors only when the window starts at column 0: transformers' Gemma-3
@@ -367,50 +462,6 @@ TEST_F(Gemma3Test, CheckpointsRoundTripInBothSpellingsAndSixteenBit) {
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), HasSubstr("model.language_model.layers.2.mlp.up_proj.weight"));
   }
-}
-
-TEST(Gemma3ConfigTest, ReadsTransformersConfigsAndRefusesWhatItDoesNotCompute) {
-  // Gemma-3-4B's config.json fields (text_config with rope_scaling and sliding_window_pattern).
-  const std::string released = R"({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-    "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144, "mm_tokens_per_image": 256,
-    "text_config": {"head_dim": 256, "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
-      "num_attention_heads": 8, "num_hidden_layers": 34, "num_key_value_heads": 4, "query_pre_attn_scalar": 256,
-      "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
-    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
-      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14,
-      "vision_use_head": false}})";
-  const Gemma3Config c = Gemma3Config::from_json(released);
-  EXPECT_EQ(c.vocab_size, 262208);
-  EXPECT_EQ(c.num_hidden_layers, 34);
-  EXPECT_EQ(c.rope_scaling_factor, 8.0);
-  EXPECT_EQ(c.rope_theta, 1000000.0);
-  EXPECT_EQ(c.rope_local_base_freq, 10000.0);
-  EXPECT_EQ(c.pool_kernel(), 4);  // 64 patches per side pooled to 16
-  for (int64_t i = 0; i < 34; ++i) EXPECT_EQ(c.layer_slides(i), (i + 1) % 6 != 0) << "layer " << i;
-  // Round trip through to_json (layer_types written explicitly).
-  const Gemma3Config back = Gemma3Config::from_json(c.to_json());
-  EXPECT_EQ(back.sliding_layers, c.sliding_layers);
-  EXPECT_EQ(back.parameter_count(), c.parameter_count());
-
-  auto refused = [&](const std::string& json, const std::string& needle) {
-    try {
-      Gemma3Config::from_json(json);
-      ADD_FAILURE() << "accepted: " << json;
-    } catch (const Error& e) {
-      EXPECT_THAT(e.what(), HasSubstr(needle));
-    }
-  };
-  refused(R"({"model_type": "gemma3", "text_config": {"rope_scaling": {"rope_type": "yarn", "factor": 4}}})", "yarn");
-  refused(R"({"model_type": "gemma3", "text_config": {"attn_logit_softcapping": 50.0}})", "attn_logit_softcapping");
-  refused(R"({"model_type": "gemma3", "mm_tokens_per_image": 200})", "must be a square");
-  refused(R"({"model_type": "gemma3", "text_config": {"num_attention_heads": 6}})", "multiple of num_key_value_heads");
-}
-
-TEST(Gemma3ParameterCount, IsWhatTheModelAllocates) {
-  Gemma3 model(Gemma3Config::tiny(), 0);
-  int64_t allocated = 0;
-  for (const auto& [name, t] : model.named_weights()) allocated += t->numel();
-  EXPECT_EQ(Gemma3Config::tiny().parameter_count(), allocated);
 }
 
 }  // namespace

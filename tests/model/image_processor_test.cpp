@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "image_test_util.h"
 #include "stb_write_for_tests.h"
 #include "vlmgen/error.h"
-#include "vlmgen/image/gemma3_image_processor.h"
 #include "vlmgen/image/qwen_image_processor.h"
 
 namespace vlmgen {
@@ -23,6 +23,8 @@ using ::testing::HasSubstr;
 
 namespace fs = std::filesystem;
 using HeightWidth = std::pair<int64_t, int64_t>;
+using image_test::make_image;
+using image_test::pillow_input_value;
 
 template <typename Fn>
 std::string error_message(Fn&& fn) {
@@ -33,16 +35,6 @@ std::string error_message(Fn&& fn) {
   }
   ADD_FAILURE() << "expected vlmgen::Error";
   return "";
-}
-
-Image make_image(int64_t height, int64_t width, uint8_t (*value)(int64_t c, int64_t y, int64_t x)) {
-  Image image{height, width, std::vector<uint8_t>(static_cast<size_t>(height * width * 3))};
-  for (int64_t y = 0; y < height; ++y) {
-    for (int64_t x = 0; x < width; ++x) {
-      for (int64_t c = 0; c < 3; ++c) image.rgb[static_cast<size_t>((y * width + x) * 3 + c)] = value(c, y, x);
-    }
-  }
-  return image;
 }
 
 uint8_t pixel(const Image& image, int64_t c, int64_t y, int64_t x) {
@@ -297,11 +289,8 @@ TEST(ImageProcessorResize, SameSizeIsACopy) {
 }
 
 // Pixels of Pillow 9.4's `Image.fromarray(a).resize((w, h), Image.BICUBIC, reducing_gap=None)`,
-// which is how the HF Qwen2-VL processor resizes; a = pillow_input(6, 8).
-uint8_t pillow_input_value(int64_t c, int64_t y, int64_t x) {
-  return uint8_t((c * 53 + y * 37 + x * 71 + x * y * 5) % 256);
-}
-
+// which is how the HF Qwen2-VL processor resizes; a = pillow_input(6, 8)
+// (pillow_input_value in image_test_util.h).
 TEST(ImageProcessorResize, ShrinkingMatchesPillowExactly) {
   const std::vector<uint8_t> expected = {36,  93,  153, 143, 171, 167, 91,  62,  117, 126, 170, 114, 190, 96,  81,
                                          95,  155, 132, 167, 129, 75,  89,  142, 190, 170, 98,  96,  109, 130, 180,
@@ -480,38 +469,6 @@ TEST(ImageProcessorResize, BilinearMatchesPillowExactly) {
   EXPECT_EQ(hash, 17891181366062860057ull);
   // Different from the bicubic filter on the same input.
   EXPECT_NE(resize_bicubic(make_image(6, 8, pillow_input_value), 4, 5).rgb, shrunk);
-}
-
-TEST(Gemma3ImageProcessor, ResizesRescalesAndNormalizesEachImageToOneSquare) {
-  const Image a = make_image(6, 8, pillow_input_value);
-  const Image b = make_image(16, 16, pillow_input_value);
-  Gemma3ImageProcessorOptions options;
-  options.size = 4;
-  const VisionInputs v = preprocess_gemma3({a, b}, options);
-  EXPECT_EQ(v.layout, VisionLayout::kPerImage);
-  EXPECT_EQ(v.pixel_values.sizes(), (std::vector<int64_t>{2, 3, 4, 4}));
-  EXPECT_EQ(detail::to_int64_vector(v.image_sizes), (std::vector<int64_t>{6, 8, 16, 16}));
-  // (byte / 255 - 0.5) / 0.5 of the bilinear 4x4 resize, channel 1 at row 2, column 3.
-  const Image resized = resize_bilinear(a, 4, 4);
-  const double expected = (resized.rgb[(2 * 4 + 3) * 3 + 1] / 255.0 - 0.5) / 0.5;
-  EXPECT_NEAR(v.pixel_values[0][1][2][3].item<double>(), expected, 1e-6);
-
-  const std::string released = R"({"do_normalize": true, "do_pan_and_scan": null, "do_rescale": true,
-    "do_resize": true, "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "Gemma3ImageProcessor",
-    "image_std": [0.5, 0.5, 0.5], "resample": 2, "rescale_factor": 0.00392156862745098,
-    "size": {"height": 896, "width": 896}})";
-  EXPECT_EQ(parse_gemma3_preprocessor_config(released, "released").size, 896);
-  for (const auto& [json, needle] :
-       {std::pair<std::string, std::string>{R"({"do_pan_and_scan": true})", "pan-and-scan"},
-        {R"({"resample": 3})", "expected 2 (bilinear)"},
-        {R"({"size": {"height": 896, "width": 448}})", "not square"}}) {
-    try {
-      parse_gemma3_preprocessor_config(json, "test");
-      ADD_FAILURE() << json;
-    } catch (const Error& e) {
-      EXPECT_THAT(e.what(), ::testing::HasSubstr(needle));
-    }
-  }
 }
 
 }  // namespace

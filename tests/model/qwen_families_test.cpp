@@ -581,12 +581,12 @@ TEST(QwenFamilyConfigTest, AnUnknownModelTypeNamesTheSupportedOnes) {
   const std::string path = pattern + "/config.json";
   std::FILE* f = std::fopen(path.c_str(), "wb");
   ASSERT_NE(f, nullptr);
-  const std::string json = R"({"model_type": "llava_next", "architectures": ["LlavaNextForConditionalGeneration"]})";
+  const std::string json = R"({"model_type": "idefics3", "architectures": ["Idefics3ForConditionalGeneration"]})";
   std::fwrite(json.data(), 1, json.size(), f);
   std::fclose(f);
-  EXPECT_THAT(
-      [&] { load_model(pattern); },
-      ::testing::ThrowsMessage<Error>(AllOf(HasSubstr("'llava_next'"), HasSubstr("qwen2_vl, qwen2_5_vl, qwen3_vl"))));
+  EXPECT_THAT([&] { load_model(pattern); },
+              ::testing::ThrowsMessage<Error>(
+                  AllOf(HasSubstr("'idefics3'"), HasSubstr("qwen2_vl, qwen2_5_vl, qwen3_vl, gemma3, llava_next"))));
   std::filesystem::remove_all(pattern);
 }
 

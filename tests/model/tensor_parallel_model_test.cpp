@@ -41,6 +41,7 @@
 #include "vlmgen/io/safetensors.h"
 #include "vlmgen/logging.h"
 #include "vlmgen/models/gemma3.h"
+#include "vlmgen/models/llava_next.h"
 #include "vlmgen/models/quantization.h"
 #include "vlmgen/models/qwen2_vl.h"
 #include "vlmgen/parallel.h"
@@ -413,7 +414,7 @@ TEST(DISABLED_TpModelWorker, Gemma3EqualsTp1) {
   row0.insert(row0.end(), image.begin(), image.end());
   row0.insert(row0.end(), {4, 5});
   row1.insert(row1.end(), image.begin(), image.end());
-  row1.insert(row1.end(), {10, 11, 12});
+  row1.insert(row1.end(), {10, 11, 12, 13});  // 11 tokens against 10: ragged, odd
   at::Generator gen = detail::make_cpu_generator(83);
   const GenerateRequest request({row0, row1}, VisionInputs::per_image(at::randn({2, 3, 16, 16}, gen)));
   double worst = 0.0;
@@ -431,6 +432,36 @@ TEST(DISABLED_TpModelWorker, Gemma3EqualsTp1) {
   }
   EXPECT_GT(counter->all_reduces, 0);
   report("Gemma-3: TP=2 (and SP's no-cache fallback) vs TP=1 per-step logits, max|diff|", worst);
+}
+
+TEST(DISABLED_TpModelWorker, LlavaNextEqualsTp1) {
+  // The text model split over two ranks (QwenVl's decoder), the CLIP tower and projector replicated.
+  SKIP_UNLESS_WORKER();
+  auto [par, counter] = counted_context(/*sequence_parallel=*/false);
+  const LlavaNextConfig config = LlavaNextConfig::tiny();
+  LlavaNext reference(config, 13);
+  LlavaNext tp_model(config, 13, 0.02, par);
+  const int64_t a = llava_next_placeholder_count(config, 10, 30), b = llava_next_placeholder_count(config, 20, 12);
+  std::vector<int64_t> row0 = {1, 3}, row1 = {1, 7};
+  row0.insert(row0.end(), static_cast<size_t>(a), 90);
+  row0.push_back(4);
+  row1.insert(row1.end(), static_cast<size_t>(b), 90);
+  row1.insert(row1.end(), {8, 9});
+  at::Generator gen = detail::make_cpu_generator(84);
+  const GenerateRequest request({row0, row1},
+                                VisionInputs::per_image(at::randn({2, 5, 3, 8, 8}, gen),
+                                                        at::tensor(std::vector<int64_t>{10, 30, 20, 12}).view({2, 2})));
+  double worst = 0.0;
+  for (const auto& [kv, chunk] : {std::pair<bool, int64_t>{true, 0}, {false, 0}, {true, 7}}) {
+    const auto gen_config = GenerationConfig().max_new_tokens(6).enable_kv_cache(kv).prefill_chunk_size(chunk);
+    const std::string what = fmt::format("llava_next, kv {}, chunk {}", kv, chunk);
+    RecordedRun tp1 = generate_recorded(reference, ParallelContext::single(), request, gen_config);
+    RecordedRun tp2 = generate_recorded(tp_model, par, request, gen_config);
+    worst = std::max(worst, expect_run_matches_tp1(tp1, tp2, what));
+    expect_same_tokens_on_every_rank(tp2.result, *par.tp_group(), 6);
+  }
+  EXPECT_GT(counter->all_reduces, 0);
+  report("LLaVA-NeXT: TP=2 vs TP=1 per-step logits, max|diff|", worst);
 }
 
 // A model that cannot decode with a KV cache under SP: the reference model behind traits that
@@ -958,6 +989,10 @@ TEST(TensorParallelModel, Qwen2_5VlAndQwen3VlEqualTp1UnderTpAndSp) {
 
 TEST(TensorParallelModel, Gemma3Tp2EqualsTp1) {
   EXPECT_EQ(run_workers(2, "DISABLED_TpModelWorker.Gemma3EqualsTp1", two_rank_env()), 0);
+}
+
+TEST(TensorParallelModel, LlavaNextTp2EqualsTp1) {
+  EXPECT_EQ(run_workers(2, "DISABLED_TpModelWorker.LlavaNextEqualsTp1", two_rank_env()), 0);
 }
 
 TEST(TensorParallelModel, EngineTp2EqualsTp1Generator) {

@@ -33,7 +33,9 @@ VisionInputs preprocess_gemma3(const std::vector<Image>& images, const Gemma3Ima
 /// {height, width}, image_mean, image_std, rescale_factor, resample). Refuses with a vlmgen::Error
 /// naming `what`: another processor type, a size that is not square, a filter other than bilinear
 /// (2), pan-and-scan turned on (not implemented), do_resize/do_rescale/do_normalize false.
-Gemma3ImageProcessorOptions parse_gemma3_preprocessor_config(std::string_view json_text, const std::string& what);
+/// A file without `size` keeps `default_size`.
+Gemma3ImageProcessorOptions parse_gemma3_preprocessor_config(std::string_view json_text, const std::string& what,
+                                                             int64_t default_size = 896);
 
 /// The preprocessing of a Gemma-3 checkpoint folder: its preprocessor_config.json when present,
 /// else the defaults at `image_size`. vlmgen::Error when the file's size is not `image_size`.

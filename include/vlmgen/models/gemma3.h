@@ -11,6 +11,7 @@
 #include "vlmgen/model.h"
 #include "vlmgen/models/load_options.h"
 #include "vlmgen/models/qwen_vl.h"
+#include "vlmgen/models/vit_layer.h"
 #include "vlmgen/parallel.h"
 
 namespace vlmgen {
@@ -93,13 +94,8 @@ struct Gemma3Config {
 
 namespace gemma3 {
 
-struct VisionLayer {
-  qwen_vl::LayerNorm layer_norm1;
-  qwen_vl::Linear q_proj, k_proj, v_proj, out_proj;  // [vision_hidden, vision_hidden] + bias
-  qwen_vl::LayerNorm layer_norm2;
-  qwen_vl::Linear fc1;  // [vision_intermediate, vision_hidden] + bias
-  qwen_vl::Linear fc2;  // [vision_hidden, vision_intermediate] + bias
-};
+/// A SigLIP encoder layer.
+using VisionLayer = vit::EncoderLayer;
 
 /// SigLIP and the multimodal projector.
 struct VisionTower {

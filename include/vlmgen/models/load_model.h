@@ -12,7 +12,7 @@ namespace vlmgen {
 /// Loads the model an HF checkpoint folder describes: reads `dir`/config.json's model_type (or
 /// architectures[0] when model_type is absent) and returns the matching CausalVlm, with this
 /// rank's slices under tensor parallelism. Supported: qwen2_vl, qwen2_5_vl, qwen3_vl (all
-/// QwenVl), and gemma3 (Gemma3). An unknown type is a vlmgen::Error
+/// QwenVl), gemma3 (Gemma3) and llava_next (LlavaNext). An unknown type is a vlmgen::Error
 /// naming it and the supported ones.
 ///
 ///   auto model = vlmgen::load_model("/models/Qwen2.5-VL-3B-Instruct");

@@ -230,6 +230,7 @@ class QwenVl : public CausalVlm {
   int64_t vision_tower_calls() const { return vision_tower_calls_; }
 
  private:
+  friend class LlavaNext;  // its text model is this decoder, loaded under LLaVA-NeXT's names
   struct Uninitialized {};
   QwenVl(const QwenVlConfig& config, Uninitialized, ParallelContext parallel);
   /// Throws unless heads, KV heads, intermediate_size and vocab_size divide by tp_size.

@@ -1,0 +1,94 @@
+// The per-image families' preprocessing: Gemma-3 (one resized square per image) and LLaVA-NeXT
+// (a base tile and the tiles of the anyres resolution), against Pillow and transformers' rules.
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "image_test_util.h"
+#include "vlmgen/error.h"
+#include "vlmgen/image/gemma3_image_processor.h"
+#include "vlmgen/image/llava_next_image_processor.h"
+#include "vlmgen/image/qwen_image_processor.h"
+#include "vlmgen/models/llava_next.h"
+
+namespace vlmgen {
+namespace {
+
+using image_test::make_image;
+using image_test::pillow_input_value;
+
+TEST(Gemma3ImageProcessor, ResizesRescalesAndNormalizesEachImageToOneSquare) {
+  const Image a = make_image(6, 8, pillow_input_value);
+  const Image b = make_image(16, 16, pillow_input_value);
+  Gemma3ImageProcessorOptions options;
+  options.size = 4;
+  const VisionInputs v = preprocess_gemma3({a, b}, options);
+  EXPECT_EQ(v.layout, VisionLayout::kPerImage);
+  EXPECT_EQ(v.pixel_values.sizes(), (std::vector<int64_t>{2, 3, 4, 4}));
+  EXPECT_EQ(detail::to_int64_vector(v.image_sizes), (std::vector<int64_t>{6, 8, 16, 16}));
+  // (byte / 255 - 0.5) / 0.5 of the bilinear 4x4 resize, channel 1 at row 2, column 3.
+  const Image resized = resize_bilinear(a, 4, 4);
+  const double expected = (resized.rgb[(2 * 4 + 3) * 3 + 1] / 255.0 - 0.5) / 0.5;
+  EXPECT_NEAR(v.pixel_values[0][1][2][3].item<double>(), expected, 1e-6);
+
+  const std::string released = R"({"do_normalize": true, "do_pan_and_scan": null, "do_rescale": true,
+    "do_resize": true, "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "Gemma3ImageProcessor",
+    "image_std": [0.5, 0.5, 0.5], "resample": 2, "rescale_factor": 0.00392156862745098,
+    "size": {"height": 896, "width": 896}})";
+  EXPECT_EQ(parse_gemma3_preprocessor_config(released, "released").size, 896);
+  for (const auto& [json, needle] :
+       {std::pair<std::string, std::string>{R"({"do_pan_and_scan": true})", "pan-and-scan"},
+        {R"({"resample": 3})", "expected 2 (bilinear)"},
+        {R"({"size": {"height": 896, "width": 448}})", "not square"}}) {
+    try {
+      parse_gemma3_preprocessor_config(json, "test");
+      ADD_FAILURE() << json;
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr(needle));
+    }
+  }
+}
+
+// Pillow 9.4 + numpy, following LlavaNextImageProcessor: the base tile `resize((8, 8), BICUBIC)`,
+// then the picture resized to fit its best pinpoint (aspect kept, sides ceil'ed), centred on zeros
+// (divmod padding), cut into 8x8 tiles row by row; summarized per image by the uint8 sum and the
+// FNV-1a 64 hash of all tiles' HWC bytes.
+TEST(LlavaNextImageProcessor, TilesMatchPillowAndThePaddingOfTransformers) {
+  LlavaNextImageProcessorOptions options = LlavaNextImageProcessorOptions::for_model(LlavaNextConfig::tiny());
+  const VisionInputs v =
+      preprocess_llava_next({make_image(10, 30, pillow_input_value), make_image(20, 12, pillow_input_value)}, options);
+  ASSERT_EQ(v.pixel_values.sizes(), (std::vector<int64_t>{2, 5, 3, 8, 8}));
+  EXPECT_EQ(detail::to_int64_vector(v.image_sizes), (std::vector<int64_t>{10, 30, 20, 12}));
+  const at::Tensor mean = at::tensor(std::vector<double>(options.image_mean.begin(), options.image_mean.end()));
+  const at::Tensor std = at::tensor(std::vector<double>(options.image_std.begin(), options.image_std.end()));
+  struct Expected {
+    int64_t tiles;
+    uint64_t sum, hash;
+  };
+  const Expected expected[] = {{4, 97914u, 7519837087043123435ull}, {5, 84769u, 4158195214309118736ull}};
+  for (int64_t i = 0; i < 2; ++i) {
+    // Back to bytes: x * std + mean, times 255, rounded; tiles, rows, columns, channels.
+    const at::Tensor tiles = v.pixel_values[i].narrow(0, 0, expected[i].tiles).to(at::kDouble);
+    const at::Tensor bytes =
+        (tiles * std.view({1, 3, 1, 1}) + mean.view({1, 3, 1, 1})).mul(255).round().permute({0, 2, 3, 1}).contiguous();
+    uint64_t hash = 14695981039346656037ull, sum = 0;
+    for (double b : std::vector<double>(bytes.data_ptr<double>(), bytes.data_ptr<double>() + bytes.numel())) {
+      hash = (hash ^ static_cast<uint64_t>(b)) * 1099511628211ull;
+      sum += static_cast<uint64_t>(b);
+    }
+    EXPECT_EQ(sum, expected[i].sum) << "image " << i;
+    EXPECT_EQ(hash, expected[i].hash) << "image " << i;
+  }
+  // The 4-tile image is padded with a zero tile.
+  EXPECT_EQ(v.pixel_values[0][4].abs().max().item<double>(), 0.0);
+  EXPECT_THROW(preprocess_llava_next({}, options), Error);
+}
+
+}  // namespace
+}  // namespace vlmgen
