@@ -66,8 +66,8 @@ VisionInputs preprocess_llava_next(const std::vector<Image>& images, const Llava
   int64_t most = 0;
   for (const Image& image : images) {
     const auto [best_h, best_w] = select_best_resolution(image.height, image.width, o.image_grid_pinpoints);
-    VLMGEN_CHECK(best_h % t == 0 && best_w % t == 0, "pinpoint {}x{} is not a multiple of the tile size {}", best_h,
-                 best_w, t);
+    VLMGEN_CHECK(best_h % t == 0 && best_w % t == 0 && best_h / t <= 64 && best_w / t <= 64,
+                 "pinpoint {}x{} must be a multiple of the tile size {} of at most 64 tiles a side", best_h, best_w, t);
     std::vector<at::Tensor> tiles = {normalized(resize_bicubic(image, t, t), o)};
     const at::Tensor grid = normalized(fit_and_pad(image, best_h, best_w), o);  // [3, best_h, best_w]
     for (int64_t r = 0; r < best_h / t; ++r) {

@@ -117,13 +117,31 @@ void LlavaNext::to(at::Device device) {
 std::vector<int64_t> LlavaNext::placeholder_counts(const VisionInputs& vision) const {
   std::vector<int64_t> counts;
   if (vision.empty()) return counts;
+  VLMGEN_CHECK(vision.layout == VisionLayout::kPerImage,
+               "llava_next takes per-image vision inputs (pixel_values [N, tiles, {}, {}, {}] and image_sizes), got "
+               "the patch-flattened layout",
+               config_.num_channels, config_.image_size, config_.image_size);
   VLMGEN_CHECK(vision.image_sizes.defined(),
                "llava_next needs image_sizes ([N, 2], each image's original height and width): they decide each "
                "image's tiles and placeholder count");
   vision.validate(1);
+  // The pixels are checked here too, so a bad bundle is refused when the request is laid out,
+  // before any forward call (the generator asks for the counts first).
+  const at::Tensor& pixels = vision.pixel_values;
+  const LlavaNextConfig& c = config_;
+  VLMGEN_CHECK(pixels.dim() == 5 && pixels.size(2) == c.num_channels && pixels.size(3) == c.image_size &&
+                   pixels.size(4) == c.image_size,
+               "llava_next pixel_values must be [N, tiles, {}, {}, {}], got {}", c.num_channels, c.image_size,
+               c.image_size, detail::shape_str(pixels));
   const std::vector<int64_t> sizes = detail::to_int64_vector(vision.image_sizes);
   for (size_t i = 0; i < sizes.size(); i += 2) {
-    counts.push_back(llava_next_placeholder_count(config_, sizes[i], sizes[i + 1]));
+    const int64_t h = sizes[i], w = sizes[i + 1];
+    const LlavaNextGrid g = llava_next_grid(c, h, w);
+    VLMGEN_CHECK(pixels.size(1) >= g.tiles(),
+                 "image {} of {}x{} (height x width) pixels takes {} tiles (the base image and {}x{} of its anyres "
+                 "resolution) but pixel_values holds {}",
+                 i / 2, h, w, g.tiles(), g.grid_h, g.grid_w, pixels.size(1));
+    counts.push_back(llava_next_placeholder_count(c, h, w));
   }
   return counts;
 }
@@ -160,17 +178,9 @@ at::Tensor LlavaNext::pack(const at::Tensor& features, const LlavaNextGrid& g) c
 
 at::Tensor LlavaNext::encode_images(const VisionInputs& vision) {
   VLMGEN_CHECK(!vision.empty() && vision.num_images() > 0, "encode_images needs at least one image");
-  VLMGEN_CHECK(vision.layout == VisionLayout::kPerImage,
-               "llava_next takes per-image vision inputs (pixel_values [N, tiles, {}, {}, {}] and image_sizes), got "
-               "the patch-flattened layout",
-               config_.num_channels, config_.image_size, config_.image_size);
-  const std::vector<int64_t> counts = placeholder_counts(vision);
+  const std::vector<int64_t> counts = placeholder_counts(vision);  // checks the pixels and sizes
   const LlavaNextConfig& c = config_;
   const at::Tensor& pixels = vision.pixel_values;
-  VLMGEN_CHECK(pixels.dim() == 5 && pixels.size(2) == c.num_channels && pixels.size(3) == c.image_size &&
-                   pixels.size(4) == c.image_size,
-               "llava_next pixel_values must be [N, tiles, {}, {}, {}], got {}", c.num_channels, c.image_size,
-               c.image_size, detail::shape_str(pixels));
   const std::vector<int64_t> sizes = detail::to_int64_vector(vision.image_sizes);
   at::NoGradGuard no_grad;
   ++vision_tower_calls_;
@@ -178,10 +188,6 @@ at::Tensor LlavaNext::encode_images(const VisionInputs& vision) {
   for (int64_t i = 0; i < pixels.size(0); ++i) {
     const int64_t h = sizes[2 * i], w = sizes[2 * i + 1];
     const LlavaNextGrid g = llava_next_grid(c, h, w);
-    VLMGEN_CHECK(pixels.size(1) >= g.tiles(),
-                 "image {} of {}x{} (height x width) pixels takes {} tiles (the base image and {}x{} of its anyres "
-                 "resolution) but pixel_values holds {}",
-                 i, h, w, g.tiles(), g.grid_h, g.grid_w, pixels.size(1));
     at::Tensor rows = pack(tile_features(pixels[i].narrow(0, 0, g.tiles()).to(device(), at::kFloat)), g);
     VLMGEN_CHECK(rows.size(0) == counts[static_cast<size_t>(i)],
                  "image {}: packed {} rows but the processor counts {} placeholders", i, rows.size(0),
@@ -194,6 +200,8 @@ at::Tensor LlavaNext::encode_images(const VisionInputs& vision) {
 ForwardArgs LlavaNext::embedded(const ForwardArgs& args) {
   ForwardArgs out = args;
   if (!args.vision.empty() && args.vision.num_images() > 0 && !args.image_embeddings.defined()) {
+    VLMGEN_CHECK(args.input_ids.defined() && args.input_ids.dim() == 2 && detail::is_integral(args.input_ids),
+                 "input_ids must be an integer tensor [B, S], got {}", detail::shape_str(args.input_ids));
     // Counts first: a bundle whose sizes disagree with the window's placeholders fails before
     // the tower runs.
     int64_t needed = 0;

@@ -25,6 +25,76 @@ void check_size(const char* field, int64_t value, int64_t max) {
 /// Python's round(x, 7) then int(): the processor's and the model's rounding of a scaled side.
 int64_t round7(double x) { return static_cast<int64_t>(std::nearbyint(x * 1e7) / 1e7); }
 
+/// text_config: a Llama or Mistral decoder (MistralConfig's or LlamaConfig's defaults); anything
+/// vlmgen's Llama text model does not compute is refused by name. `t` is the raw section.
+void read_text(const FieldReader& text, const Json& t, LlavaNextConfig& c) {
+  c.text_model_type = text.string_or("model_type", "llama");
+  VLMGEN_CHECK(c.text_model_type == "llama" || c.text_model_type == "mistral",
+               "llava_next config: text_config.model_type \"{}\" is not supported (llama, mistral)", c.text_model_type);
+  const bool mistral = c.text_model_type == "mistral";
+  c.vocab_size = text.int_or("vocab_size", 32000);
+  c.hidden_size = text.int_or("hidden_size", 4096);
+  c.intermediate_size = text.int_or("intermediate_size", mistral ? 14336 : 11008);
+  c.num_hidden_layers = text.int_or("num_hidden_layers", 32);
+  c.num_attention_heads = text.int_or("num_attention_heads", 32);
+  c.num_key_value_heads = text.int_or("num_key_value_heads", mistral ? 8 : c.num_attention_heads);
+  check_size("text_config.num_attention_heads", c.num_attention_heads, Limits::kMaxHeads);
+  c.head_dim = text.int_or("head_dim", c.hidden_size / c.num_attention_heads);
+  c.rms_norm_eps = text.double_or("rms_norm_eps", 1e-6);
+  c.rope_theta = text.double_or("rope_theta", 10000.0);
+  std::string where;
+  if (const Json* params = text.find("rope_parameters", &where)) {  // transformers >= 5
+    VLMGEN_CHECK(params->is_object(), "config field '{}' must be an object, got {}", where,
+                 detail::json_excerpt(*params));
+    const std::string type =
+        params->contains("rope_type") ? detail::as_string(params->at("rope_type"), where) : "default";
+    VLMGEN_CHECK(type == "default",
+                 "llava_next config: {} asks for RoPE scaling \"{}\"; vlmgen's Llama text model has "
+                 "none",
+                 where, type);
+    if (params->contains("rope_theta"))
+      c.rope_theta = detail::as_double(params->at("rope_theta"), where + ".rope_theta");
+  }
+  c.max_position_embeddings = text.int_or("max_position_embeddings", mistral ? 131072 : 2048);
+  std::string field;
+  const Json* scaling = text.find("rope_scaling", &field);
+  VLMGEN_CHECK(scaling == nullptr, "llava_next config: {} is set ({}); vlmgen's Llama text model has no RoPE scaling",
+               field, detail::json_excerpt(*scaling));
+  VLMGEN_CHECK(!text.bool_or("attention_bias", false),
+               "llava_next config: text_config.attention_bias is not supported");
+  VLMGEN_CHECK(!text.bool_or("mlp_bias", false), "llava_next config: text_config.mlp_bias is not supported");
+  const std::string act = text.string_or("hidden_act", "silu");
+  VLMGEN_CHECK(act == "silu", "llava_next config: text_config.hidden_act \"{}\" is not supported (silu)", act);
+  if (mistral) {  // MistralConfig's default window is 4096; an explicit null turns it off
+    const bool windowed = !t.contains("sliding_window") || !t.at("sliding_window").is_null();
+    VLMGEN_CHECK(!windowed,
+                 "llava_next config: the Mistral text model has a sliding window ({}); vlmgen's Llama text "
+                 "model attends over the whole context",
+                 t.contains("sliding_window") ? detail::json_excerpt(t.at("sliding_window")) : "4096 by default");
+  }
+}
+
+/// vision_config: a CLIP tower (LlavaNextConfig's default: CLIP ViT-L/14 at 336 pixels).
+void read_vision(const FieldReader& vision, LlavaNextConfig& c) {
+  const std::string type = vision.string_or("model_type", "clip_vision_model");
+  VLMGEN_CHECK(type == "clip_vision_model",
+               "llava_next config: vision_config.model_type \"{}\" is not supported "
+               "(clip_vision_model)",
+               type);
+  c.vision_hidden_size = vision.int_or("hidden_size", 1024);
+  c.vision_intermediate_size = vision.int_or("intermediate_size", 4096);
+  c.vision_num_hidden_layers = vision.int_or("num_hidden_layers", 24);
+  c.vision_num_attention_heads = vision.int_or("num_attention_heads", 16);
+  c.num_channels = vision.int_or("num_channels", 3);
+  c.image_size = vision.int_or("image_size", 336);
+  c.patch_size = vision.int_or("patch_size", 14);
+  c.vision_layer_norm_eps = vision.double_or("layer_norm_eps", 1e-5);
+  const std::string act = vision.string_or("hidden_act", "quick_gelu");
+  VLMGEN_CHECK(act == "quick_gelu" || act == "gelu",
+               "llava_next config: vision_config.hidden_act \"{}\" is not supported (quick_gelu, gelu)", act);
+  c.vision_quick_gelu = act == "quick_gelu";
+}
+
 }  // namespace
 
 int64_t LlavaNextConfig::vision_layers_used() const {
@@ -186,49 +256,11 @@ LlavaNextConfig LlavaNextConfig::from_json(const std::string& text_in) {
   const FieldReader vision({{&object("vision_config"), "vision_config."}});
   const FieldReader top({{&root, ""}});
   LlavaNextConfig c;
-  c.text_model_type = text.string_or("model_type", "llama");
-  VLMGEN_CHECK(c.text_model_type == "llama" || c.text_model_type == "mistral",
-               "llava_next config: text_config.model_type \"{}\" is not supported (llama, mistral)", c.text_model_type);
-  const bool mistral = c.text_model_type == "mistral";
-  c.vocab_size = text.int_or("vocab_size", 32000);
-  c.hidden_size = text.int_or("hidden_size", 4096);
-  c.intermediate_size = text.int_or("intermediate_size", mistral ? 14336 : 11008);
-  c.num_hidden_layers = text.int_or("num_hidden_layers", 32);
-  c.num_attention_heads = text.int_or("num_attention_heads", 32);
-  c.num_key_value_heads = text.int_or("num_key_value_heads", mistral ? 8 : c.num_attention_heads);
-  check_size("text_config.num_attention_heads", c.num_attention_heads, Limits::kMaxHeads);
-  c.head_dim = text.int_or("head_dim", c.hidden_size / c.num_attention_heads);
-  c.rms_norm_eps = text.double_or("rms_norm_eps", 1e-6);
-  c.rope_theta = text.double_or("rope_theta", 10000.0);
-  c.max_position_embeddings = text.int_or("max_position_embeddings", mistral ? 131072 : 2048);
+  read_text(text, object("text_config"), c);
+  read_vision(vision, c);
   c.tie_word_embeddings = top.bool_or("tie_word_embeddings", text.bool_or("tie_word_embeddings", false));
-  std::string field;
-  const Json* scaling = text.find("rope_scaling", &field);
-  VLMGEN_CHECK(scaling == nullptr, "llava_next config: {} is set ({}); vlmgen's Llama text model has no RoPE scaling",
-               field, detail::json_excerpt(*scaling));
-  VLMGEN_CHECK(!text.bool_or("attention_bias", false),
-               "llava_next config: text_config.attention_bias is not supported");
-  if (mistral) {  // MistralConfig's default window is 4096; an explicit null turns it off
-    const Json& t = object("text_config");
-    const bool windowed = !t.contains("sliding_window") || !t.at("sliding_window").is_null();
-    VLMGEN_CHECK(!windowed,
-                 "llava_next config: the Mistral text model has a sliding window ({}); vlmgen's Llama text "
-                 "model attends over the whole context",
-                 t.contains("sliding_window") ? detail::json_excerpt(t.at("sliding_window")) : "4096 by default");
-  }
-  c.vision_hidden_size = vision.int_or("hidden_size", 768);
-  c.vision_intermediate_size = vision.int_or("intermediate_size", 3072);
-  c.vision_num_hidden_layers = vision.int_or("num_hidden_layers", 12);
-  c.vision_num_attention_heads = vision.int_or("num_attention_heads", 12);
-  c.num_channels = vision.int_or("num_channels", 3);
-  c.image_size = vision.int_or("image_size", 224);
-  c.patch_size = vision.int_or("patch_size", 32);
-  c.vision_layer_norm_eps = vision.double_or("layer_norm_eps", 1e-5);
-  const std::string act = vision.string_or("hidden_act", "quick_gelu");
-  VLMGEN_CHECK(act == "quick_gelu" || act == "gelu",
-               "llava_next config: vision_config.hidden_act \"{}\" is not supported (quick_gelu, gelu)", act);
-  c.vision_quick_gelu = act == "quick_gelu";
 
+  std::string field;
   c.image_token_id = top.int_or("image_token_index", top.int_or("image_token_id", 32000));
   if (const Json* layer = top.find("vision_feature_layer", &field)) {
     VLMGEN_CHECK(layer->is_number_integer(),

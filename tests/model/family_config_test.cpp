@@ -92,6 +92,19 @@ TEST(LlavaNextConfigTest, ReadsTheReleasedConfigAndRefusesWhatItDoesNotCompute) 
   refused(R"({"model_type": "llava_next", "text_config": {"rope_scaling": {"type": "linear", "factor": 2}}})",
           "rope_scaling");
   refused(R"({"model_type": "llava_next", "vision_feature_layer": [-2, -5]})", "one integer");
+  refused(R"({"model_type": "llava_next", "text_config": {"mlp_bias": true}})", "mlp_bias");
+  refused(R"({"model_type": "llava_next", "text_config": {"hidden_act": "gelu"}})", "hidden_act");
+  refused(R"({"model_type": "llava_next", "vision_config": {"model_type": "siglip_vision_model"}})",
+          "siglip_vision_model");
+  refused(R"({"model_type": "llava_next", "text_config": {"rope_parameters": {"rope_type": "yarn", "factor": 4}}})",
+          "yarn");
+  // transformers 5 keeps the RoPE base in rope_parameters.
+  const LlavaNextConfig v5 = LlavaNextConfig::from_json(
+      R"({"model_type": "llava_next", "text_config": {"vocab_size": 32064, "rope_parameters": {"rope_type": "default",
+      "rope_theta": 1000000.0}}})");
+  EXPECT_EQ(v5.rope_theta, 1000000.0);
+  EXPECT_EQ(v5.image_size, 336);  // LLaVA-NeXT's CLIP ViT-L/14 at 336 when vision_config says nothing
+  EXPECT_EQ(v5.patch_size, 14);
   refused(
       R"({"model_type": "llava_next", "text_config": {"vocab_size": 32064}, "vision_config": {"image_size": 336, "patch_size": 14},
     "image_grid_pinpoints": [[300, 672]]})",

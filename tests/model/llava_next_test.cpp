@@ -217,9 +217,8 @@ TEST_F(LlavaNextTest, ImageSizesThatDisagreeWithThePlaceholdersAreRefusedNamingB
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), HasSubstr("needs 18 placeholder tokens but its run"));
   }
-  // D's size for A in a one-image prompt: 14 placeholders needed, 18 in the prompt.
-  VisionInputs other = hashed_images(config_, {kA});
-  other.image_sizes = at::tensor(std::vector<int64_t>{12, 20}, at::kLong).view({1, 2});
+  // D (12x20: 14 placeholders) where the prompt holds A's 18.
+  VisionInputs other = hashed_images(config_, {kD});
   try {
     generator.generate(make_request({concat({{1, 5}, image(kA), {6}})}, other), GenerationConfig().max_new_tokens(2));
     ADD_FAILURE() << "image_sizes giving another count must be refused";
@@ -230,15 +229,20 @@ TEST_F(LlavaNextTest, ImageSizesThatDisagreeWithThePlaceholdersAreRefusedNamingB
   // No image_sizes at all, and too few tiles for the sizes.
   VisionInputs no_sizes = VisionInputs::per_image(other.pixel_values);
   EXPECT_THROW(model_->placeholder_counts(no_sizes), Error);
-  VisionInputs few_tiles = hashed_images(config_, {kA});
-  few_tiles.image_sizes = at::tensor(std::vector<int64_t>{20, 12}, at::kLong).view({1, 2});
+  // Too few tiles for the second image's size: refused when the request is laid out, before the
+  // first chunk (which holds only the first image) runs.
+  VisionInputs few_tiles = hashed_images(config_, {kA, kA});
+  few_tiles.image_sizes = at::tensor(std::vector<int64_t>{10, 30, 20, 12}, at::kLong).view({2, 2});
+  testing::ForwardSpy spy(*model_);
   try {
-    model_->encode_images(few_tiles);
+    Generator(spy).generate(make_request({concat({{1, 5}, image(kA), {6, 7, 8}, image(kB), {9}})}, few_tiles),
+                            GenerationConfig().max_new_tokens(2).prefill_chunk_size(22));
     ADD_FAILURE() << "4 tiles for a 5-tile image must be refused";
   } catch (const Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("takes 5 tiles"));
+    EXPECT_THAT(e.what(), HasSubstr("image 1 of 20x12 (height x width) pixels takes 5 tiles"));
     EXPECT_THAT(e.what(), HasSubstr("pixel_values holds 4"));
   }
+  EXPECT_EQ(spy.calls().size(), 0u) << "refused before any forward call";
   // The model stays usable.
   auto result = generator.generate(make_request(batch_rows(), batch_vision()), GenerationConfig().max_new_tokens(2));
   EXPECT_EQ(result.sequences[0].tokens.size(), 2u);

@@ -438,9 +438,11 @@ TEST(DISABLED_TpModelWorker, LlavaNextEqualsTp1) {
   // The text model split over two ranks (QwenVl's decoder), the CLIP tower and projector replicated.
   SKIP_UNLESS_WORKER();
   auto [par, counter] = counted_context(/*sequence_parallel=*/false);
+  auto [sp, sp_counter] = counted_context(/*sequence_parallel=*/true);
   const LlavaNextConfig config = LlavaNextConfig::tiny();
   LlavaNext reference(config, 13);
   LlavaNext tp_model(config, 13, 0.02, par);
+  LlavaNext sp_model(config, 13, 0.02, sp);
   const int64_t a = llava_next_placeholder_count(config, 10, 30), b = llava_next_placeholder_count(config, 20, 12);
   std::vector<int64_t> row0 = {1, 3}, row1 = {1, 7};
   row0.insert(row0.end(), static_cast<size_t>(a), 90);
@@ -452,16 +454,20 @@ TEST(DISABLED_TpModelWorker, LlavaNextEqualsTp1) {
                                 VisionInputs::per_image(at::randn({2, 5, 3, 8, 8}, gen),
                                                         at::tensor(std::vector<int64_t>{10, 30, 20, 12}).view({2, 2})));
   double worst = 0.0;
-  for (const auto& [kv, chunk] : {std::pair<bool, int64_t>{true, 0}, {false, 0}, {true, 7}}) {
+  // Row 0 is 21 tokens (odd): under SP the prefill is padded to a multiple of 2 and split.
+  for (const auto& [sequence_parallel, kv, chunk] :
+       {std::tuple<bool, bool, int64_t>{false, true, 0}, {false, false, 0}, {false, true, 7}, {true, true, 0}}) {
     const auto gen_config = GenerationConfig().max_new_tokens(6).enable_kv_cache(kv).prefill_chunk_size(chunk);
-    const std::string what = fmt::format("llava_next, kv {}, chunk {}", kv, chunk);
+    const std::string what = fmt::format("llava_next, SP {}, kv {}, chunk {}", sequence_parallel, kv, chunk);
     RecordedRun tp1 = generate_recorded(reference, ParallelContext::single(), request, gen_config);
-    RecordedRun tp2 = generate_recorded(tp_model, par, request, gen_config);
+    const ParallelContext& p = sequence_parallel ? sp : par;
+    RecordedRun tp2 = generate_recorded(sequence_parallel ? sp_model : tp_model, p, request, gen_config);
     worst = std::max(worst, expect_run_matches_tp1(tp1, tp2, what));
-    expect_same_tokens_on_every_rank(tp2.result, *par.tp_group(), 6);
+    expect_same_tokens_on_every_rank(tp2.result, *p.tp_group(), 6);
   }
   EXPECT_GT(counter->all_reduces, 0);
-  report("LLaVA-NeXT: TP=2 vs TP=1 per-step logits, max|diff|", worst);
+  EXPECT_GT(sp_counter->reduce_scatters, 0) << "sequence parallelism split the prefill";
+  report("LLaVA-NeXT: TP=2 (and + SP) vs TP=1 per-step logits, max|diff|", worst);
 }
 
 // A model that cannot decode with a KV cache under SP: the reference model behind traits that
