@@ -292,7 +292,7 @@ Gemma3::Window Gemma3::check_window(const ForwardArgs& args) const {
   w.start = start;
   w.context = args.context;
   w.last_column_only = args.last_column_logits;
-  w.ids = host.to(dev, at::kLong, /*non_blocking=*/true);
+  w.ids = ids_in.device() == dev ? ids_in.to(at::kLong) : host.to(dev, at::kLong, /*non_blocking=*/true);
   if (args.attention_mask.defined()) {
     VLMGEN_CHECK(
         args.attention_mask.dim() == 2 && args.attention_mask.size(0) == b && args.attention_mask.size(1) == start + s,

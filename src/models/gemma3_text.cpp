@@ -47,20 +47,28 @@ struct Visibility {
 constexpr int64_t kAttentionChunk = 256;
 
 /// q [B, heads, S, D] over k, v [B, kv, K, D]: [B, heads, S, D]. One-column decode steps of
-/// text on the CPU use kernels::decode_attention (over the window's keys only on a sliding layer);
+/// text on the CPU use kernels::decode_attention;
 /// otherwise GQA as batched matmuls over query chunks, each with its own slice of the mask.
-at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Visibility& vis) {
+at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, Visibility vis) {
+  // A sliding layer's queries (all at or after window_start) see no key before
+  // window_start - window + 1 outside an image: read only the keys from there on, so a cached
+  // step costs the window, not the context.
+  if (vis.window > 0 && !vis.groups.defined()) {
+    const int64_t first = std::max<int64_t>(0, vis.window_start - vis.key_begin - vis.window + 1);
+    if (first > 0) {
+      const int64_t kept = k.size(2) - first;
+      k = k.narrow(2, first, kept);
+      v = v.narrow(2, first, kept);
+      vis.key_real = vis.key_real.narrow(1, first, kept);
+      vis.key_begin += first;
+    }
+  }
   const int64_t b = q.size(0), heads = q.size(1), s = q.size(2), d = q.size(3);
   const int64_t kv = k.size(1), keys = k.size(2), groups = heads / kv;
   const auto long_opts = at::TensorOptions().dtype(at::kLong).device(q.device());
   const at::Tensor key_cols = at::arange(vis.key_begin, vis.key_begin + keys, long_opts).unsqueeze(0);  // [1, K]
   if (q.device().is_cpu() && s == 1 && !vis.groups.defined() && kernels::enabled() && !at::GradMode::is_enabled()) {
-    // A sliding layer reads only the last `window` keys: its decode step costs the window, not
-    // the context.
-    const int64_t first = vis.window > 0 ? std::max<int64_t>(0, vis.window_start - vis.key_begin - vis.window + 1) : 0;
-    return kernels::decode_attention(q, k.narrow(2, first, keys - first), v.narrow(2, first, keys - first),
-                                     vis.key_real.narrow(1, first, keys - first),
-                                     vis.window_start - vis.key_begin - first, vis.scale);
+    return kernels::decode_attention(q, k, v, vis.key_real, vis.window_start - vis.key_begin, vis.scale);
   }
   const double blocked_score = std::numeric_limits<float>::lowest();
   const at::Tensor kt = k.transpose(-1, -2);

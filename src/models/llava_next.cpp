@@ -6,6 +6,7 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <utility>
@@ -217,9 +218,15 @@ ForwardArgs LlavaNext::embedded(const ForwardArgs& args) {
   return out;
 }
 
-at::Tensor LlavaNext::forward(const ForwardArgs& args) { return lm_->forward(embedded(args)); }
+at::Tensor LlavaNext::forward(const ForwardArgs& args) {
+  return args.vision.empty() ? lm_->forward(args) : lm_->forward(embedded(args));
+}
 
 std::vector<at::Tensor> LlavaNext::forward_batch(const std::vector<const ForwardArgs*>& calls) {
+  // A decode step carries no images: the calls go to the decoder as they are.
+  if (std::all_of(calls.begin(), calls.end(), [](const ForwardArgs* c) { return c->vision.empty(); })) {
+    return lm_->forward_batch(calls);
+  }
   std::vector<ForwardArgs> owned;
   owned.reserve(calls.size());
   for (const ForwardArgs* call : calls) owned.push_back(embedded(*call));
