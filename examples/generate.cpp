@@ -98,6 +98,15 @@ std::vector<int64_t> tokenize_prompt(const std::string& text, const std::string&
   return ids;
 }
 
+// Whether the model's vision tower is split across the tensor-parallel ranks (every family decides
+// at load; see vision_tower_sharded()).
+bool vision_tower_sharded(vlmgen::CausalVlm& model) {
+  if (auto* qwen = dynamic_cast<vlmgen::QwenVl*>(&model)) return qwen->vision_tower_sharded();
+  if (auto* gemma = dynamic_cast<vlmgen::Gemma3*>(&model)) return gemma->vision_tower_sharded();
+  if (auto* llava = dynamic_cast<vlmgen::LlavaNext*>(&model)) return llava->vision_tower_sharded();
+  return false;
+}
+
 // The images as the checkpoint's family and folder preprocess them (HF's settings, so the model
 // sees what it would under HF); --max-pixels/--min-pixels override a Qwen-VL folder's and say so.
 vlmgen::VisionInputs preprocess_for(vlmgen::CausalVlm& model, const std::string& checkpoint,
@@ -215,7 +224,6 @@ int main(int argc, char** argv) {
     parallel.sequence_parallel(sequence_parallel);
     const bool lead = rank == 0;
     auto model = vlmgen::load_model(checkpoint, parallel, vlmgen::load_options_for(dtype, device));
-    auto* qwen = dynamic_cast<vlmgen::QwenVl*>(model.get());
     const vlmgen::ModelTraits& config = model->traits();
     std::vector<vlmgen::Image> images;
     for (int64_t row = 0; row < batch; ++row) {
@@ -240,8 +248,7 @@ int main(int argc, char** argv) {
     if (lead) {
       if (parallel.tp_size() > 1) {
         fmt::print("tensor parallel: {} ranks, vision tower {}, sequence parallel {}\n", parallel.tp_size(),
-                   qwen != nullptr && qwen->vision_tower_sharded() ? "sharded" : "replicated",
-                   sequence_parallel ? "on" : "off");
+                   vision_tower_sharded(*model) ? "sharded" : "replicated", sequence_parallel ? "on" : "off");
       }
       fmt::print("prompt: {} tokens, {} images, KV cache {}, replay {}; {} row{}, {} weights on {}\n", prompt.size(),
                  image_paths.size(), no_kv_cache ? "off" : "on", replay, batch, batch == 1 ? "" : "s", dtype,

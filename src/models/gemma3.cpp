@@ -70,6 +70,8 @@ Gemma3::Gemma3(const Gemma3Config& config, Uninitialized, ParallelContext parall
   check_divides("intermediate_size", config_.intermediate_size);
   check_divides("vocab_size", config_.vocab_size);
   tp_comm_ = tp > 1 ? parallel_.tp_group().get() : nullptr;
+  vision_sharded_ = detail::shard_encoder_layers("gemma3", config_.vision_num_attention_heads,
+                                                 config_.vision_intermediate_size, parallel_);
   traits_ = make_traits(config_, tp);
   allocate_weights();
 }
@@ -102,7 +104,8 @@ void Gemma3::allocate_weights() {
     vision_.position_embedding = at::empty({patches, e}, opts);
     vision_.layers.clear();
     for (int64_t i = 0; i < c.vision_num_hidden_layers; ++i) {
-      vision_.layers.push_back(detail::allocate_encoder_layer(e, c.vision_intermediate_size, opts));
+      vision_.layers.push_back(
+          detail::allocate_encoder_layer(e, c.vision_intermediate_size, opts, vision_sharded_ ? tp : 1));
     }
     vision_.post_layernorm = layer_norm(e);
     vision_.mm_soft_emb_norm = at::empty({e}, opts);
@@ -185,9 +188,8 @@ std::vector<Gemma3::WeightSlot> Gemma3::weight_slots() {
   add(v + "embeddings.patch_embedding.bias", vision_.patch_embedding_bias);
   add(v + "embeddings.position_embedding.weight", vision_.position_embedding);
   for (size_t i = 0; i < vision_.layers.size(); ++i) {
-    std::vector<std::pair<std::string, at::Tensor*>> layer;
-    detail::add_encoder_layer_weights(v + "encoder.layers." + std::to_string(i) + ".", vision_.layers[i], layer);
-    for (auto& [name, tensor] : layer) add(name, *tensor);
+    detail::add_encoder_layer_weights(v + "encoder.layers." + std::to_string(i) + ".", vision_.layers[i],
+                                      vision_sharded_, add);
   }
   add_norm(v + "post_layernorm", vision_.post_layernorm);
   add("model.multi_modal_projector.mm_soft_emb_norm.weight", vision_.mm_soft_emb_norm);
@@ -248,6 +250,7 @@ at::Tensor Gemma3::run_vision_tower(const VisionInputs& vision) {
   ++vision_tower_calls_;
   const at::Device dev = device();
   const int64_t e = c.vision_hidden_size, side = c.patches_per_side(), k = c.pool_kernel();
+  Communicator* comm = vision_sharded_ ? tp_comm_ : nullptr;
   std::vector<at::Tensor> out;
   for (int64_t i = 0; i < pixels.size(0); ++i) {
     at::Tensor img = pixels.narrow(0, i, 1).to(dev, at::kFloat);
@@ -256,7 +259,7 @@ at::Tensor Gemma3::run_vision_tower(const VisionInputs& vision) {
     x = x.unsqueeze(0);                                                        // one sequence of P patches
     for (const gemma3::VisionLayer& l : vision_.layers) {
       x = detail::run_encoder_layer(x, l, c.vision_num_attention_heads, c.vision_layer_norm_eps,
-                                    detail::VitActivation::kTanhGelu);
+                                    detail::VitActivation::kTanhGelu, comm);
     }
     x = x.squeeze(0);
     x = detail::apply_layer_norm(x, vision_.post_layernorm, c.vision_layer_norm_eps);

@@ -36,6 +36,8 @@ LlavaNext::LlavaNext(const LlavaNextConfig& config, std::unique_ptr<QwenVl> lm) 
   traits_.spatial_merge_size = 1;
   traits_.vision_layout = VisionLayout::kPerImage;
   traits_.tokens_per_image = 0;  // per image, from image_sizes (placeholder_counts)
+  vision_sharded_ = detail::shard_encoder_layers("llava_next", config_.vision_num_attention_heads,
+                                                 config_.vision_intermediate_size, lm_->parallel());
   allocate_vision();
 }
 
@@ -46,10 +48,15 @@ LlavaNext::LlavaNext(const LlavaNextConfig& config, uint64_t seed, double init_s
       }()) {
   at::NoGradGuard no_grad;
   at::Generator gen = detail::make_cpu_generator(seed + 7919);
-  for (auto& [name, tensor] : vision_weights()) {
+  const ParallelContext& p = lm_->parallel();
+  // Each rank draws the whole tower and keeps its slices, so every TP size holds the same model.
+  for (const QwenVl::WeightSlot& slot : vision_weights()) {
+    const std::string& name = slot.name;
     const bool norm = ends_with(name, "norm1.weight") || ends_with(name, "norm2.weight") ||
                       ends_with(name, "layrnorm.weight") || ends_with(name, "layernorm.weight");
-    tensor->normal_(norm ? 1.0 : 0.0, init_std, gen);
+    at::Tensor full = at::empty(lm_->full_shape(*slot.tensor, slot.layout), slot.tensor->options());
+    full.normal_(norm ? 1.0 : 0.0, init_std, gen);
+    slot.tensor->copy_(detail::take_shard(full, slot.layout, p.tp_rank(), p.tp_size()));
   }
 }
 
@@ -61,13 +68,14 @@ void LlavaNext::allocate_vision() {
   };
   auto norm = [&](int64_t dim) { return qwen_vl::LayerNorm{at::empty({dim}, opts), at::empty({dim}, opts)}; };
   const int64_t e = c.vision_hidden_size, p = c.patches_per_side() * c.patches_per_side();
+  const int64_t tp = vision_sharded_ ? lm_->parallel().tp_size() : 1;
   vision_.class_embedding = at::empty({e}, opts);
   vision_.patch_embedding = at::empty({e, c.num_channels, c.patch_size, c.patch_size}, opts);
   vision_.position_embedding = at::empty({p + 1, e}, opts);
   vision_.pre_layrnorm = norm(e);
   vision_.layers.clear();
   for (int64_t i = 0; i < c.vision_num_hidden_layers; ++i) {
-    vision_.layers.push_back(detail::allocate_encoder_layer(e, c.vision_intermediate_size, opts));
+    vision_.layers.push_back(detail::allocate_encoder_layer(e, c.vision_intermediate_size, opts, tp));
   }
   vision_.post_layernorm = norm(e);
   vision_.linear_1 = linear(c.hidden_size, e, c.projector_bias);
@@ -75,44 +83,62 @@ void LlavaNext::allocate_vision() {
   vision_.image_newline = at::empty({c.hidden_size}, opts);
 }
 
-std::vector<std::pair<std::string, at::Tensor*>> LlavaNext::vision_weights() {
-  std::vector<std::pair<std::string, at::Tensor*>> out;
+std::vector<QwenVl::WeightSlot> LlavaNext::vision_weights() {
+  using qwen_vl::ShardLayout;
+  std::vector<QwenVl::WeightSlot> out;
+  auto add = [&](std::string name, at::Tensor& t, ShardLayout layout) { out.push_back({std::move(name), &t, layout}); };
   auto add_linear = [&](const std::string& name, qwen_vl::Linear& l) {
-    out.emplace_back(name + ".weight", &l.weight);
-    if (l.bias.defined()) out.emplace_back(name + ".bias", &l.bias);
+    add(name + ".weight", l.weight, ShardLayout::kReplicated);
+    if (l.bias.defined()) add(name + ".bias", l.bias, ShardLayout::kReplicated);
   };
   auto add_norm = [&](const std::string& name, qwen_vl::LayerNorm& n) {
-    out.emplace_back(name + ".weight", &n.weight);
-    out.emplace_back(name + ".bias", &n.bias);
+    add(name + ".weight", n.weight, ShardLayout::kReplicated);
+    add(name + ".bias", n.bias, ShardLayout::kReplicated);
   };
   const std::string v = "model.vision_tower.vision_model.";
-  out.emplace_back(v + "embeddings.class_embedding", &vision_.class_embedding);
-  out.emplace_back(v + "embeddings.patch_embedding.weight", &vision_.patch_embedding);
-  out.emplace_back(v + "embeddings.position_embedding.weight", &vision_.position_embedding);
+  add(v + "embeddings.class_embedding", vision_.class_embedding, ShardLayout::kReplicated);
+  add(v + "embeddings.patch_embedding.weight", vision_.patch_embedding, ShardLayout::kReplicated);
+  add(v + "embeddings.position_embedding.weight", vision_.position_embedding, ShardLayout::kReplicated);
   add_norm(v + "pre_layrnorm", vision_.pre_layrnorm);
   for (size_t i = 0; i < vision_.layers.size(); ++i) {
-    detail::add_encoder_layer_weights(v + "encoder.layers." + std::to_string(i) + ".", vision_.layers[i], out);
+    detail::add_encoder_layer_weights(v + "encoder.layers." + std::to_string(i) + ".", vision_.layers[i],
+                                      vision_sharded_, add);
   }
   add_norm(v + "post_layernorm", vision_.post_layernorm);
   add_linear("model.multi_modal_projector.linear_1", vision_.linear_1);
   add_linear("model.multi_modal_projector.linear_2", vision_.linear_2);
-  out.emplace_back("model.image_newline", &vision_.image_newline);
+  add("model.image_newline", vision_.image_newline, ShardLayout::kReplicated);
+  return out;
+}
+
+std::vector<QwenVl::WeightSlot> LlavaNext::weight_slots() {
+  std::vector<QwenVl::WeightSlot> out;
+  for (const QwenVl::WeightSlot& slot : lm_->weight_slots()) {
+    if (slot.name.rfind("visual.", 0) == 0) continue;  // the idle tower of the decoder
+    const std::string& name = slot.name;
+    out.push_back(
+        {name.rfind("model.", 0) == 0 ? "model.language_model." + name.substr(6) : name, slot.tensor, slot.layout});
+  }
+  for (QwenVl::WeightSlot& slot : vision_weights()) out.push_back(std::move(slot));
   return out;
 }
 
 std::vector<std::pair<std::string, at::Tensor*>> LlavaNext::named_weights() {
   std::vector<std::pair<std::string, at::Tensor*>> out;
-  for (auto& [name, tensor] : lm_->named_weights()) {
-    if (name.rfind("visual.", 0) == 0) continue;  // the idle tower of the decoder
-    out.emplace_back(name.rfind("model.", 0) == 0 ? "model.language_model." + name.substr(6) : name, tensor);
-  }
-  for (auto& entry : vision_weights()) out.push_back(entry);
+  for (const QwenVl::WeightSlot& slot : weight_slots()) out.emplace_back(slot.name, slot.tensor);
   return out;
+}
+
+qwen_vl::ShardLayout LlavaNext::shard_layout(const std::string& name) const {
+  for (const QwenVl::WeightSlot& slot : const_cast<LlavaNext*>(this)->weight_slots()) {
+    if (slot.name == name) return slot.layout;
+  }
+  VLMGEN_FAIL("llava_next has no weight named {}", name);
 }
 
 void LlavaNext::to(at::Device device) {
   lm_->to(device);
-  for (auto& [name, tensor] : vision_weights()) *tensor = tensor->to(device);
+  for (const QwenVl::WeightSlot& slot : vision_weights()) *slot.tensor = slot.tensor->to(device);
 }
 
 std::vector<int64_t> LlavaNext::placeholder_counts(const VisionInputs& vision) const {
@@ -154,10 +180,11 @@ at::Tensor LlavaNext::tile_features(const at::Tensor& tiles) const {
   x = x.flatten(2).transpose(1, 2);  // [T, P, E]
   x = at::cat({vision_.class_embedding.view({1, 1, e}).expand({t, 1, e}), x}, 1) + vision_.position_embedding;
   x = detail::apply_layer_norm(x, vision_.pre_layrnorm, c.vision_layer_norm_eps);
+  Communicator* comm = vision_sharded_ ? lm_->tp_comm_ : nullptr;
   for (int64_t i = 0; i < c.vision_layers_used(); ++i) {
     x = detail::run_encoder_layer(
         x, vision_.layers[static_cast<size_t>(i)], c.vision_num_attention_heads, c.vision_layer_norm_eps,
-        c.vision_quick_gelu ? detail::VitActivation::kQuickGelu : detail::VitActivation::kGelu);
+        c.vision_quick_gelu ? detail::VitActivation::kQuickGelu : detail::VitActivation::kGelu, comm);
   }
   x = x.narrow(1, 1, x.size(1) - 1);  // "default": the class token dropped
   return detail::apply_linear(at::gelu(detail::apply_linear(x, vision_.linear_1)), vision_.linear_2);

@@ -1,7 +1,6 @@
 // LLaVA-NeXT checkpoints: HF config.json + safetensors, in either transformers tensor-name spelling.
 
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -47,47 +46,39 @@ std::unique_ptr<LlavaNext> LlavaNext::from_checkpoint(const std::string& dir, co
   std::unique_ptr<LlavaNext> model(new LlavaNext(config, std::move(lm)));
   QwenVl& decoder = *model->lm_;
 
-  // Every weight this model needs, with its layout under tensor parallelism (the tower and the
-  // projector are replicated).
-  std::map<std::string, QwenVl::WeightSlot> decoder_slots;
-  for (const QwenVl::WeightSlot& slot : decoder.weight_slots()) decoder_slots.emplace(slot.name, slot);
-  std::vector<std::string> missing;
-  std::vector<std::pair<std::string, std::string>> sources;  // (our name, checkpoint name)
-  for (const auto& [name, tensor] : model->named_weights()) {
-    std::string found;
-    for (const std::string& candidate : detail::multimodal_name_candidates(name)) {
+  // Every weight this model needs, with its layout under tensor parallelism.
+  const std::vector<QwenVl::WeightSlot> slots = model->weight_slots();
+  std::vector<std::string> sources(slots.size()), missing;  // checkpoint names
+  for (size_t i = 0; i < slots.size(); ++i) {
+    for (const std::string& candidate : detail::multimodal_name_candidates(slots[i].name)) {
       if (checkpoint.contains(candidate)) {
-        found = candidate;
+        sources[i] = candidate;
         break;
       }
     }
-    if (found.empty()) missing.push_back(name);
-    sources.emplace_back(name, found);
+    if (sources[i].empty()) missing.push_back(slots[i].name);
   }
   VLMGEN_CHECK(missing.empty(),
                "checkpoint {} lacks {} of the {} tensors the llava_next config needs (either "
                "spelling): {}",
-               dir, missing.size(), sources.size(), fmt::join(missing, ", "));
-  const auto weights = model->named_weights();
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const auto& [name, target] = weights[i];
-    const std::string& source = sources[i].second;
+               dir, missing.size(), slots.size(), fmt::join(missing, ", "));
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const QwenVl::WeightSlot& slot = slots[i];
+    const std::string& source = sources[i];
     const SafetensorsEntry& entry = checkpoint.entry(source);
     VLMGEN_CHECK(!entry.fp8, "tensor {} in checkpoint {} is FP8; FP8 checkpoints of llava_next are not implemented",
                  source, dir);
     VLMGEN_CHECK(entry.dtype == at::kFloat || entry.dtype == at::kHalf || entry.dtype == at::kBFloat16,
                  "tensor {} in checkpoint {} is {}; weights must be F32, F16 or BF16", source, dir,
                  c10::toString(entry.dtype));
-    const auto slot = decoder_slots.find(decoder_name(name));
-    const qwen_vl::ShardLayout layout =
-        slot == decoder_slots.end() ? qwen_vl::ShardLayout::kReplicated : slot->second.layout;
-    const std::vector<int64_t> full = decoder.full_shape(*target, layout);
+    const std::vector<int64_t> full = decoder.full_shape(*slot.tensor, slot.layout);
     VLMGEN_CHECK(entry.shape == full, "tensor {} has shape [{}] in checkpoint {} but the config needs [{}]", source,
                  fmt::join(entry.shape, ", "), dir, fmt::join(full, ", "));
-    const bool lm_matrix = slot != decoder_slots.end() && QwenVl::is_lm_matrix(slot->first, *target);
-    *target = detail::take_shard(checkpoint.tensor(source), layout, parallel.tp_rank(), parallel.tp_size())
-                  .to(options.device, lm_matrix ? options.weights_dtype : at::kFloat)
-                  .contiguous();
+    const bool text = starts_with(slot.name, "model.language_model.") || slot.name == "lm_head.weight";
+    const bool lm_matrix = text && QwenVl::is_lm_matrix(decoder_name(slot.name), *slot.tensor);
+    *slot.tensor = detail::take_shard(checkpoint.tensor(source), slot.layout, parallel.tp_rank(), parallel.tp_size())
+                       .to(options.device, lm_matrix ? options.weights_dtype : at::kFloat)
+                       .contiguous();
     checkpoint.release(source);
   }
   // The decoder's idle tower (never run) gets zeros.
@@ -99,29 +90,15 @@ std::unique_ptr<LlavaNext> LlavaNext::from_checkpoint(const std::string& dir, co
 }
 
 void LlavaNext::save_checkpoint(const std::string& dir) const {
-  // Under TP the decoder gathers its shards; rank 0 writes.
+  // Under TP every rank gathers the shards (a collective per weight); rank 0 writes, and all
+  // return once the files are written.
   std::map<std::string, at::Tensor> tensors;
-  std::map<std::string, qwen_vl::ShardLayout> layouts;
-  for (const QwenVl::WeightSlot& slot : lm_->weight_slots()) layouts.emplace(slot.name, slot.layout);
-  for (const auto& [name, tensor] : const_cast<LlavaNext*>(this)->named_weights()) {
-    const auto layout = layouts.find(decoder_name(name));
-    Communicator* comm = lm_->tp_comm_;
-    at::Tensor full =
-        comm == nullptr || layout == layouts.end() ? *tensor : detail::gather_shard(*tensor, layout->second, *comm);
-    tensors.emplace(name, full.to(at::kCPU).contiguous());
+  Communicator* comm = lm_->tp_comm_;
+  for (const QwenVl::WeightSlot& slot : const_cast<LlavaNext*>(this)->weight_slots()) {
+    const at::Tensor full = comm == nullptr ? *slot.tensor : detail::gather_shard(*slot.tensor, slot.layout, *comm);
+    tensors.emplace(slot.name, full.to(at::kCPU).contiguous());
   }
-  if (lm_->parallel().tp_rank() != 0) return;
-  const std::filesystem::path root(dir);
-  std::error_code ec;
-  std::filesystem::create_directories(root, ec);
-  VLMGEN_CHECK(!ec, "cannot create checkpoint directory {}: {}", dir, ec.message());
-  const std::string path = (root / "config.json").string();
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  VLMGEN_CHECK(out.good(), "cannot open {} for writing", path);
-  out << config_.to_json();
-  out.close();
-  VLMGEN_CHECK(!out.fail(), "writing {} failed", path);
-  save_safetensors((root / "model.safetensors").string(), tensors, {{"format", "pt"}});
+  detail::write_checkpoint_once(dir, config_.to_json(), tensors, comm, lm_->parallel().tp_rank());
 }
 
 }  // namespace vlmgen

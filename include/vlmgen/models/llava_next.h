@@ -129,6 +129,12 @@ struct VisionTower {
 /// and image_sizes [N, 2] (each image's original height and width), which decide the tile grid
 /// and the placeholder count (placeholder_counts). A bundle whose sizes disagree with the prompt's
 /// placeholders is a vlmgen::Error naming both counts.
+///
+/// Tensor parallelism splits the text model as QwenVl does, and the CLIP encoder layers
+/// Megatron-style (q/k/v and fc1 by rows, out_proj and fc2 by columns, all-reduced) when the
+/// tower's heads and MLP width divide by tp; otherwise the tower is replicated
+/// (vision_tower_sharded()). Embeddings, norms, the projector and image_newline are replicated, so
+/// every rank packs the same image rows.
 class LlavaNext : public CausalVlm {
  public:
   explicit LlavaNext(const LlavaNextConfig& config, uint64_t seed = 0, double init_std = 0.02,
@@ -140,6 +146,8 @@ class LlavaNext : public CausalVlm {
   static std::unique_ptr<LlavaNext> from_checkpoint(const std::string& dir,
                                                     const ParallelContext& parallel = ParallelContext::single(),
                                                     const LoadOptions& options = {});
+  /// Writes config.json and model.safetensors (newer spelling). Under TP every rank calls it:
+  /// the shards are gathered, rank 0 writes, and all return once the files are written.
   void save_checkpoint(const std::string& dir) const;
 
   const ModelTraits& traits() const override { return traits_; }
@@ -155,6 +163,12 @@ class LlavaNext : public CausalVlm {
   const LlavaNextConfig& config() const { return config_; }
   /// Every weight under its transformers (>= 4.52) name, each once; this rank's slices under TP.
   std::vector<std::pair<std::string, at::Tensor*>> named_weights();
+  /// How the weight named `name` (as in named_weights) is split across tensor-parallel ranks.
+  /// vlmgen::Error for an unknown name.
+  qwen_vl::ShardLayout shard_layout(const std::string& name) const;
+  /// True when the CLIP encoder layers are split across the tensor-parallel ranks; false when
+  /// every rank holds them whole (tp_size 1, or heads or MLP width not divisible by it).
+  bool vision_tower_sharded() const { return vision_sharded_; }
   QwenVl& language_model() { return *lm_; }
   llava_next::VisionTower& vision_tower() { return vision_; }
   int64_t vision_tower_calls() const { return vision_tower_calls_; }
@@ -163,7 +177,10 @@ class LlavaNext : public CausalVlm {
  private:
   LlavaNext(const LlavaNextConfig& config, std::unique_ptr<QwenVl> lm);
   void allocate_vision();
-  std::vector<std::pair<std::string, at::Tensor*>> vision_weights();
+  /// The tower's, projector's and image_newline's weights with their layouts.
+  std::vector<QwenVl::WeightSlot> vision_weights();
+  /// named_weights with each weight's layout, in the same order.
+  std::vector<QwenVl::WeightSlot> weight_slots();
   /// Features [tiles, rows, hidden] of one image's tiles after the projector.
   at::Tensor tile_features(const at::Tensor& tiles) const;
   /// The rows placed at an image's placeholders, from its tiles' features.
@@ -175,6 +192,7 @@ class LlavaNext : public CausalVlm {
   std::unique_ptr<QwenVl> lm_;
   ModelTraits traits_;
   llava_next::VisionTower vision_;
+  bool vision_sharded_ = false;
   int64_t vision_tower_calls_ = 0;
 };
 

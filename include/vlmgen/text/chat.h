@@ -12,11 +12,13 @@
 //   generator.generate({{prompt.ids}, prompt.vision}, config);
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "vlmgen/image/gemma3_image_processor.h"
 #include "vlmgen/image/image.h"
 #include "vlmgen/image/qwen_image_processor.h"
 #include "vlmgen/text/tokenizer.h"
@@ -87,9 +89,17 @@ class ChatTemplate {
   static ChatTemplate from_source(const std::string& source, const std::string& what = "chat template");
   /// The Qwen2-VL template (as Qwen2-VL-Instruct checkpoints ship it).
   static ChatTemplate qwen2_vl();
+  /// The Gemma-3 template (as the gemma-3-*-it checkpoints ship it): `<bos>`, then
+  /// `<start_of_turn>user` / `<start_of_turn>model` turns closed by `<end_of_turn>`, the system
+  /// message put before the first user message's text, roles checked to alternate, text trimmed,
+  /// each image written `<start_of_image>`.
+  static ChatTemplate gemma3();
 
-  /// Name of the recognized template, e.g. "qwen2-vl".
+  /// Name of the recognized template, e.g. "qwen2-vl" or "gemma3".
   const std::string& name() const { return name_; }
+
+  /// How the template writes a message's text content (Gemma-3 trims it; Qwen2-VL keeps it).
+  std::string rendered_text(const std::string& text) const;
 
   /// Renders messages [first, end) as they appear inside the rendering of all of `messages`
   /// (so image numbers and the default system prompt account for the earlier ones), plus the
@@ -112,31 +122,65 @@ struct ChatPrompt {
   int64_t num_images = 0;
 };
 
-/// Token ids a Qwen-VL prompt uses around an image.
+/// Token ids a prompt uses for an image: a start token, `image_pad` once per placeholder, an end
+/// token (Qwen-VL: <|vision_start|> <|image_pad|>... <|vision_end|>; Gemma-3: <start_of_image>
+/// <image_soft_token>... <end_of_image>).
 struct VisionTokenIds {
   int64_t vision_start = 0;
   int64_t image_pad = 0;
   int64_t vision_end = 0;
 };
 
+/// How a model family writes images into a prompt and preprocesses them: what the family's HF
+/// processor does after the chat template has rendered the text.
+struct ChatImageFormat {
+  std::string name;  ///< "qwen-vl" or "gemma3"
+  VisionTokenIds tokens;
+  /// Text the processor writes around each image's tokens (Gemma-3: "\n\n" each side),
+  /// tokenized together with the text next to it.
+  std::string text_before, text_after;
+  /// Images → the vision bundle.
+  std::function<VisionInputs(const std::vector<Image>&)> preprocess;
+  /// Placeholder tokens of each image of a bundle.
+  std::function<std::vector<int64_t>(const VisionInputs&)> placeholder_counts;
+
+  /// Qwen-VL: `options`' resizing, t·h·w / merge² placeholders per image. The tokens come from
+  /// `tokenizer` (vlmgen::Error when it lacks them).
+  static ChatImageFormat qwen_vl(const Tokenizer& tokenizer, QwenImageProcessorOptions options);
+  /// Gemma-3 (Gemma3Processor): each image resized to `options.size`, `tokens_per_image`
+  /// placeholders (the model's mm_tokens_per_image), "\n\n" before and after.
+  static ChatImageFormat gemma3(const Tokenizer& tokenizer, Gemma3ImageProcessorOptions options,
+                                int64_t tokens_per_image);
+  /// The format of a checkpoint folder's family (config.json's model_type), with its
+  /// preprocessor_config.json's settings; `source` (when given) says where they came from.
+  /// vlmgen::Error for a family vlmgen writes no chat prompts for (LLaVA-NeXT).
+  static ChatImageFormat from_pretrained(const std::string& dir, const Tokenizer& tokenizer,
+                                         std::string* source = nullptr);
+};
+
 /// Tokenizer + chat template + image preprocessing: messages in, a request's prompt out.
 class ChatProcessor {
  public:
   /// Keeps a reference to `tokenizer`, which must outlive this object.
+  ChatProcessor(const Tokenizer& tokenizer, ChatTemplate chat_template, ChatImageFormat image_format);
+  /// A Qwen-VL processor (ChatImageFormat::qwen_vl).
   ChatProcessor(const Tokenizer& tokenizer, ChatTemplate chat_template, QwenImageProcessorOptions image_options);
-  /// The template of `dir` (ChatTemplate::from_pretrained) with `tokenizer` and `image_options`.
+  /// The template of `dir` (ChatTemplate::from_pretrained) with `tokenizer` and the images' format.
+  static ChatProcessor from_pretrained(const std::string& dir, const Tokenizer& tokenizer,
+                                       ChatImageFormat image_format);
   static ChatProcessor from_pretrained(const std::string& dir, const Tokenizer& tokenizer,
                                        QwenImageProcessorOptions image_options);
 
   const Tokenizer& tokenizer() const { return tokenizer_; }
   const ChatTemplate& chat_template() const { return template_; }
-  const VisionTokenIds& vision_tokens() const { return vision_tokens_; }
+  const VisionTokenIds& vision_tokens() const { return format_.tokens; }
+  const ChatImageFormat& image_format() const { return format_; }
 
   /// Renders messages [first, end) (see ChatTemplate::render), loads and preprocesses their
   /// images, and returns the ids with each image's placeholder run expanded to its token count
-  /// (t·h·w / merge²). Image placeholder parts take `images` in order; giving more or fewer
-  /// images than there are placeholder parts is an error. Images are checked before any is
-  /// decoded; errors name the message and part.
+  /// (Qwen-VL: t·h·w / merge²; Gemma-3: mm_tokens_per_image). Image placeholder parts take `images` in order; giving
+  /// more or fewer images than there are placeholder parts is an error. Images are checked before any is decoded;
+  /// errors name the message and part.
   ChatPrompt build(const std::vector<ChatMessage>& messages, const ChatOptions& options = ChatOptions(),
                    const std::vector<Image>& images = {}, size_t first = 0) const;
 
@@ -147,8 +191,7 @@ class ChatProcessor {
 
   const Tokenizer& tokenizer_;
   ChatTemplate template_;
-  QwenImageProcessorOptions image_options_;
-  VisionTokenIds vision_tokens_;
+  ChatImageFormat format_;
 };
 
 /// A multi-turn conversation kept in step with one InferenceContext: each turn's ids are the
@@ -180,6 +223,10 @@ class ChatSession {
   /// Records the reply generated for the last turn: its tokens as the generator returned them.
   /// A special token at the end (the end token the generator stopped at, never computed into a
   /// context) is left out: the next turn's ids close the reply the way the template does.
+  /// The reply's ids stay exactly as generated even where the template would write its text
+  /// differently (Gemma-3 trims a reply's leading and trailing whitespace): the context holds
+  /// what was computed, so a conversation continued here can differ from a one-shot rendering
+  /// of it by that whitespace.
   void add_reply(const std::vector<int64_t>& tokens);
 
   const std::vector<int64_t>& ids() const { return ids_; }

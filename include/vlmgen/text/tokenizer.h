@@ -1,14 +1,20 @@
 #pragma once
 
-// The byte-level BPE tokenizer of the Qwen families (Qwen2/2.5/3 and their -VL models), loaded
-// from a checkpoint folder's tokenizer.json. What it implements, exactly as HF tokenizers does:
+// The BPE tokenizer of a checkpoint folder's tokenizer.json, in the two forms VLM checkpoints
+// ship, exactly as HF tokenizers runs them:
 //
-//   added tokens matched first (leftmost-longest, on the raw text) → NFC → the Split
-//   pre-tokenizers' regexes (PCRE2, Unicode classes) → byte-level mapping → BPE merges by rank.
+//   byte-level (Qwen2/2.5/3 and their -VL models): added tokens matched first (leftmost-longest,
+//   on the raw text) → NFC → the Split pre-tokenizers' regexes (PCRE2, Unicode classes) →
+//   byte-level mapping → BPE merges by rank;
+//   SentencePiece-style with byte fallback (Gemma-3): added tokens → a literal Replace
+//   normalizer (" " → "▁") → literal Splits → one symbol per character, a character missing from
+//   the vocabulary as its bytes' <0xXX> tokens → BPE merges by rank; decoding through Replace,
+//   ByteFallback and Fuse.
 //
-// Anything else a tokenizer.json may ask for (another model type or normalizer, byte fallback,
-// a post-processor that adds tokens, added tokens that strip spaces) is refused when loading
-// with a vlmgen::Error naming it: never a silently different tokenization.
+// A post-processor's tokens (TemplateProcessing's BOS) are never added: encode is HF's
+// add_special_tokens=False. Anything else a tokenizer.json may ask for (another model type or
+// normalizer, Metaspace, Strip, added tokens that strip spaces) is refused when loading with a
+// vlmgen::Error naming it: never a silently different tokenization.
 //
 //   auto tok = vlmgen::Tokenizer::from_pretrained("/models/Qwen2-VL-2B-Instruct");
 //   std::vector<int64_t> ids = tok.encode("<|im_start|>user\nHello<|im_end|>");

