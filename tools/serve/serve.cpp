@@ -38,7 +38,7 @@
 #include "vlmgen/image/preprocessor_config.h"
 #include "vlmgen/io/files.h"
 #include "vlmgen/io/json.h"
-#include "vlmgen/models/qwen_vl.h"
+#include "vlmgen/models/load_model.h"
 #include "vlmgen/text/chat.h"
 #include "vlmgen/text/detokenizer.h"
 #include "vlmgen/text/tokenizer.h"
@@ -193,12 +193,13 @@ std::string sse(const Json& j) { return "data: " + j.dump() + "\n\n"; }
 class Server {
  public:
   Server(const Options& options, const ParallelContext& parallel) : options_(options) {
-    model_ = QwenVl::from_checkpoint(options.model, parallel, load_options_for(options.dtype, options.device));
+    // The tokenizer, template and image format first: a folder vlmgen cannot write prompts for
+    // fails before its weights are read.
     tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_pretrained(options.model));
     std::string source;
-    auto image_options = checkpoint_image_processor(options.model, model_->config(), &source);
-    processor_ =
-        std::make_unique<ChatProcessor>(ChatProcessor::from_pretrained(options.model, *tokenizer_, image_options));
+    processor_ = std::make_unique<ChatProcessor>(ChatProcessor::from_pretrained(
+        options.model, *tokenizer_, ChatImageFormat::from_pretrained(options.model, *tokenizer_, &source)));
+    model_ = load_model(options.model, parallel, load_options_for(options.dtype, options.device));
     end_ids_ = end_token_ids_from_pretrained(options.model, *tokenizer_);
     engine_ = std::make_unique<Engine>(*model_, engine_options(options), parallel);
     limits_.default_max_tokens = options.default_max_tokens;
@@ -207,11 +208,10 @@ class Server {
         options.model_name.empty() ? std::filesystem::path(options.model).filename().string() : options.model_name;
     if (model_name_.empty()) model_name_ = "vlmgen";
     fmt::print(stderr,
-               "[serve] model {} ({}, {} layers, vocab {}, tensor-parallel ranks {}); chat template {}; images: {}; "
+               "[serve] model {} ({}, vocab {}, tensor-parallel ranks {}); chat template {}; images: {}; "
                "end tokens {}\n",
-               options.model, family_model_type(model_->config().family), model_->config().num_hidden_layers,
-               tokenizer_->vocab_size(), parallel.tp_size(), processor_->chat_template().name(), source,
-               fmt::join(end_ids_, ","));
+               options.model, checkpoint_model_type(options.model), tokenizer_->vocab_size(), parallel.tp_size(),
+               processor_->chat_template().name(), source, fmt::join(end_ids_, ","));
   }
 
   void install(httplib::Server& svr) {
@@ -567,7 +567,7 @@ class Server {
   }
 
   Options options_;
-  std::unique_ptr<QwenVl> model_;
+  std::unique_ptr<CausalVlm> model_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<ChatProcessor> processor_;
   std::vector<int64_t> end_ids_;
@@ -596,7 +596,7 @@ extern "C" void on_signal(int sig) { g_signal.store(sig); }
 int follow(const Options& o, const ParallelContext& parallel) {
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
-  auto model = QwenVl::from_checkpoint(o.model, parallel, load_options_for(o.dtype, o.device));
+  auto model = load_model(o.model, parallel, load_options_for(o.dtype, o.device));
   Engine engine(*model, engine_options(o), parallel);
   engine.join();
   return 0;
