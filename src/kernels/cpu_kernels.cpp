@@ -8,6 +8,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -34,7 +35,7 @@ bool has_f16c() {
 
 /// The CPU reports the path's instructions and this build compiled the path with them (a
 /// compiler without the per-file flags builds the portable code under every name).
-bool cpu_has(Isa isa) {
+bool cpu_reports(Isa isa) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   switch (isa) {
     case Isa::kPortable: return true;
@@ -46,6 +47,13 @@ bool cpu_has(Isa isa) {
 #else
   return isa == Isa::kPortable;
 #endif
+}
+
+/// cpu_reports, asked once per path: CPUID traps to the hypervisor in a virtual machine (about
+/// 7% of a bf16 decode step's time when every linear asked it).
+bool cpu_has(Isa isa) {
+  static const bool has[] = {cpu_reports(Isa::kPortable), cpu_reports(Isa::kAvx2), cpu_reports(Isa::kAvx512)};
+  return has[static_cast<int>(isa)];
 }
 
 /// True when autograd would record an operation on any of `tensors`: the kernels keep no graph,
@@ -382,6 +390,42 @@ at::Tensor decode_attention_on(Isa isa, const at::Tensor& q, const at::Tensor& k
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_real,
                             int64_t first_query_key, double scale) {
   return decode_attention_on(active_isa(), q, k, v, key_real, first_query_key, scale);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double weight_offset) {
+  const bool fits = enabled() && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 &&
+                    weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 1 &&
+                    weight.size(0) == x.size(-1) && !needs_grad({&x, &weight});
+  if (!fits) {  // ATen, the same formula
+    const at::Tensor scaled = x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps);
+    return weight_offset == 0 ? scaled * weight : scaled * (weight + weight_offset);
+  }
+  const at::Tensor xx = x.contiguous();
+  const at::Tensor w = weight.contiguous();
+  at::Tensor y = at::empty(xx.sizes(), xx.options());
+  const int64_t d = x.size(-1);
+  const int64_t rows = d == 0 ? 0 : xx.numel() / d;
+  const float offset = static_cast<float>(weight_offset), epsilon = static_cast<float>(eps);
+  const float* in = xx.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    constexpr int kLanes = 8;  // independent partial sums: the loop vectorizes and pipelines
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = in + r * d;
+      float part[kLanes] = {};
+      int64_t i = 0;
+      for (; i + kLanes <= d; i += kLanes)
+        for (int l = 0; l < kLanes; ++l) part[l] += xr[i + l] * xr[i + l];
+      float squares = 0;
+      for (; i < d; ++i) squares += xr[i] * xr[i];
+      for (float p : part) squares += p;
+      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(d) + epsilon);
+      float* yr = out + r * d;
+      for (int64_t j = 0; j < d; ++j) yr[j] = xr[j] * inv * (wp[j] + offset);
+    }
+  });
+  return y;
 }
 
 }  // namespace vlmgen::kernels

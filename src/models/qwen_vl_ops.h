@@ -62,12 +62,12 @@ inline at::Tensor apply_layer_norm(const at::Tensor& x, const qwen_vl::LayerNorm
 
 /// Qwen2 RMSNorm: x / rms(x) * weight, in fp32.
 inline at::Tensor apply_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps) * weight;
+  return kernels::rms_norm(x, weight, eps);
 }
 
 /// Gemma's RMSNorm: x / rms(x) * (1 + weight), in fp32 (its stored weights sit near 0).
 inline at::Tensor apply_gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps) * (weight + 1.0);
+  return kernels::rms_norm(x, weight, eps, /*weight_offset=*/1.0);
 }
 
 /// The rotate_half convention of HF rotary embeddings: (x1, x2) -> (-x2, x1) over the last

@@ -267,5 +267,38 @@ TEST(CpuKernels, DecodeAttentionRefusesMismatchedShapes) {
   EXPECT_THROW(kernels::decode_attention(q2, k, k, at::ones({1, 6}), 4, 1.0), Error);  // key_real width
 }
 
+TEST(CpuKernels, RmsNormMatchesFloat64WithAndWithoutGemmasWeightOffset) {
+  at::manual_seed(11);
+  // Widths with and without a tail after the 8-wide partial sums, rows of very different scales,
+  // and a transposed (non-contiguous) input.
+  for (int64_t d : {1, 7, 64, 768, 771}) {
+    at::Tensor x = at::randn({3, 5, d}) * at::tensor({1e-3f, 1.0f, 300.0f}).view({3, 1, 1});
+    at::Tensor w = at::randn({d});
+    for (double offset : {0.0, 1.0}) {
+      at::Tensor xd = x.to(at::kDouble);
+      at::Tensor want = xd / (xd.pow(2).mean(-1, true) + 1e-6).sqrt() * (w.to(at::kDouble) + offset);
+      at::Tensor got = kernels::rms_norm(x, w, 1e-6, offset);
+      ASSERT_EQ(got.sizes(), x.sizes());
+      ASSERT_EQ(got.scalar_type(), at::kFloat);
+      // Each output is x_j * w_j / rms: a few float32 roundings of its own magnitude.
+      EXPECT_LT(relative_error(got, want, want.abs()), 1e-5) << "d " << d << " offset " << offset;
+    }
+    at::Tensor xt = at::randn({d, 4}).t();  // [4, d], not contiguous
+    at::Tensor td = xt.to(at::kDouble);
+    at::Tensor want = td / (td.pow(2).mean(-1, true) + 1e-6).sqrt() * w.to(at::kDouble);
+    EXPECT_LT(relative_error(kernels::rms_norm(xt, w, 1e-6), want, want.abs()), 1e-5) << "transposed, d " << d;
+  }
+  // A row of zeros is eps-scaled zeros, not NaN.
+  EXPECT_EQ(kernels::rms_norm(at::zeros({2, 8}), at::ones({8}), 1e-6).abs().sum().item<float>(), 0.0f);
+  // Float64 input and a recorded graph go through ATen, with the same formula and gradients.
+  at::Tensor x64 = at::randn({2, 6}, at::kDouble), w64 = at::randn({6}, at::kDouble);
+  EXPECT_TRUE(at::allclose(kernels::rms_norm(x64, w64, 1e-6), x64 * at::rsqrt(x64.pow(2).mean(-1, true) + 1e-6) * w64));
+  at::Tensor wg = at::randn({6}).requires_grad_();
+  at::Tensor y = kernels::rms_norm(at::randn({2, 6}), wg, 1e-6);
+  ASSERT_TRUE(y.requires_grad());
+  y.sum().backward();
+  EXPECT_TRUE(wg.grad().defined());
+}
+
 }  // namespace
 }  // namespace vlmgen

@@ -80,4 +80,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 at::Tensor decode_attention_on(Isa isa, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& key_real, int64_t first_query_key, double scale);
 
+/// RMSNorm over the last dimension: x / sqrt(mean(x^2) + eps) * (weight + weight_offset)
+/// (weight_offset 1: Gemma's (1 + w)). Float32 x and weight [x.size(-1)] on the CPU run in one
+/// pass per row (float accumulation, like ATen's); anything else, calls autograd would record, and
+/// VLMGEN_CPU_ISA=aten go through ATen's ops with the same formula.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double weight_offset = 0);
+
 }  // namespace vlmgen::kernels
