@@ -428,4 +428,57 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, d
   return y;
 }
 
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  auto same_kind = [&](const at::Tensor& t) {
+    return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == x.dim();
+  };
+  bool fits = enabled() && same_kind(x) && same_kind(cos) && same_kind(sin) && x.dim() >= 1 && x.size(-1) % 2 == 0 &&
+              !needs_grad({&x, &cos, &sin});
+  for (int64_t i = 0; fits && i < x.dim(); ++i)  // cos and sin broadcast to x, never x to them
+    fits = (cos.size(i) == x.size(i) || cos.size(i) == 1) && (sin.size(i) == x.size(i) || sin.size(i) == 1);
+  if (!fits) {  // ATen, the same formula
+    const int64_t half = x.size(-1) / 2;
+    return x * cos + at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1) * sin;
+  }
+  // Every operand as a [rows, D] walk over x's shape: the expanded cos and sin have stride 0 on
+  // their broadcast dimensions, so one row offset formula serves all three.
+  const at::Tensor xs = x.stride(-1) == 1 ? x : x.contiguous();
+  const at::Tensor c = cos.contiguous().expand(x.sizes()), sn = sin.contiguous().expand(x.sizes());
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  const int64_t d = x.size(-1), half = d / 2, dims = x.dim();
+  const int64_t rows = d == 0 ? 0 : x.numel() / d;
+  const float* xp = xs.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = sn.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int64_t rest = r, xo = 0, co = 0, so = 0;
+      for (int64_t i = dims - 2; i >= 0; --i) {
+        const int64_t at_i = rest % x.size(i);
+        rest /= x.size(i);
+        xo += at_i * xs.stride(i);
+        co += at_i * c.stride(i);
+        so += at_i * sn.stride(i);
+      }
+      const float* xr = xp + xo;
+      const float* cr = cp + co;
+      const float* sr = sp + so;
+      float* yr = yp + r * d;
+      // Two products rounded, then their sum, as x * cos + rotate_half(x) * sin computes them.
+      for (int64_t j = 0; j < half; ++j) {
+        const float a = xr[j] * cr[j];
+        const float b = -xr[j + half] * sr[j];
+        yr[j] = a + b;
+      }
+      for (int64_t j = half; j < d; ++j) {
+        const float a = xr[j] * cr[j];
+        const float b = xr[j - half] * sr[j];
+        yr[j] = a + b;
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace vlmgen::kernels

@@ -70,15 +70,9 @@ inline at::Tensor apply_gemma_rms_norm(const at::Tensor& x, const at::Tensor& we
   return kernels::rms_norm(x, weight, eps, /*weight_offset=*/1.0);
 }
 
-/// The rotate_half convention of HF rotary embeddings: (x1, x2) -> (-x2, x1) over the last
-/// dimension's halves (not interleaved pairs).
-inline at::Tensor rotate_half(const at::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
-
+/// HF rotary embeddings (the rotate_half convention): kernels::rotary.
 inline at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  return x * cos + rotate_half(x) * sin;
+  return kernels::rotary(x, cos, sin);
 }
 
 }  // namespace vlmgen::detail

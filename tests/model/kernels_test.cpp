@@ -300,5 +300,41 @@ TEST(CpuKernels, RmsNormMatchesFloat64WithAndWithoutGemmasWeightOffset) {
   EXPECT_TRUE(wg.grad().defined());
 }
 
+/// x * cos + rotate_half(x) * sin in float64.
+at::Tensor rotary_float64(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const at::Tensor xd = x.to(at::kDouble);
+  const int64_t half = x.size(-1) / 2;
+  const at::Tensor rotated = at::cat({-xd.narrow(-1, half, half), xd.narrow(-1, 0, half)}, -1);
+  return xd * cos.to(at::kDouble) + rotated * sin.to(at::kDouble);
+}
+
+TEST(CpuKernels, RotaryMatchesFloat64OnTheLayoutsTheModelsUse) {
+  at::manual_seed(12);
+  // Text: q [B, heads, S, D] as a transposed view of [B, S, heads, D], cos/sin [B, 1, S, D].
+  at::Tensor q = at::randn({2, 5, 3, 16}).transpose(1, 2);
+  at::Tensor cos = at::randn({2, 1, 5, 16}), sin = at::randn({2, 1, 5, 16});
+  at::Tensor want = rotary_float64(q, cos, sin);
+  at::Tensor got = kernels::rotary(q, cos, sin);
+  ASSERT_EQ(got.sizes(), q.sizes());
+  // Two rounded products and a rounded sum: within a few float32 steps of the terms' size.
+  at::Tensor scale = q.abs().to(at::kDouble) * cos.abs() + q.abs().roll(8, -1).to(at::kDouble) * sin.abs();
+  EXPECT_LT(relative_error(got, want, scale), 3e-7);
+  // And what ATen's ops give (the same roundings in the same order; identical here, where the
+  // compiler does not fuse the multiply and the add).
+  const at::Tensor rotated = at::cat({-q.narrow(-1, 8, 8), q.narrow(-1, 0, 8)}, -1);
+  EXPECT_TRUE(at::allclose(got, q * cos + rotated * sin, 1e-6, 1e-7));
+  // Vision: x [N, heads, D] with cos/sin [N, 1, D]; one cos row for every row ([1, 1, S, D]).
+  at::Tensor xv = at::randn({7, 2, 8}), cv = at::randn({7, 1, 8}), sv = at::randn({7, 1, 8});
+  EXPECT_TRUE(at::allclose(kernels::rotary(xv, cv, sv).to(at::kDouble), rotary_float64(xv, cv, sv), 1e-6, 1e-6));
+  at::Tensor c1 = at::randn({1, 1, 5, 16}), s1 = at::randn({1, 1, 5, 16});
+  EXPECT_TRUE(at::allclose(kernels::rotary(q, c1, s1).to(at::kDouble), rotary_float64(q, c1, s1), 1e-6, 1e-6));
+  // Other ranks and a recorded graph go through ATen, gradients included.
+  at::Tensor x2 = at::randn({4, 6}).requires_grad_();
+  at::Tensor y = kernels::rotary(x2, at::randn({4, 6}), at::randn({1, 6}));
+  ASSERT_TRUE(y.requires_grad());
+  y.sum().backward();
+  EXPECT_TRUE(x2.grad().defined());
+}
+
 }  // namespace
 }  // namespace vlmgen

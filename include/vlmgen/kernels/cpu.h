@@ -86,4 +86,11 @@ at::Tensor decode_attention_on(Isa isa, const at::Tensor& q, const at::Tensor& k
 /// VLMGEN_CPU_ISA=aten go through ATen's ops with the same formula.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double weight_offset = 0);
 
+/// Rotary embedding in HF's rotate_half convention: x * cos + rotate_half(x) * sin, where
+/// rotate_half maps the last dimension's halves (x1, x2) to (-x2, x1). cos and sin have x's rank
+/// and broadcast to it (e.g. x [B, heads, S, D] with [B, 1, S, D]). Float32 CPU tensors run in one
+/// pass per row (each product rounded, then the sum, as ATen's ops compute it); anything else,
+/// calls autograd would record, and VLMGEN_CPU_ISA=aten go through ATen's ops.
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
 }  // namespace vlmgen::kernels
