@@ -471,9 +471,10 @@ class Server {
             result = c->handle->wait();
           } catch (const Error& e) {
             write(sse(error_body(ApiError(500, fmt::format("generation failed: {}", e.what()), "", "server_error"))));
+            record(c, 500, prompt_tokens, 0);  // counted before the client can see the end
             write("data: [DONE]\n\n");
             sink.done();
-            finished(c, 500, prompt_tokens, 0);
+            done(c);  // in flight (a draining server waits) until the last bytes are out
             return true;
           }
           c->finish();
@@ -495,9 +496,12 @@ class Server {
                        {"choices", Json::array()},
                        {"usage", usage(prompt_tokens, completion_tokens)}}));
           }
+          // Counted before the last bytes go out: a client that reads /metrics right after its
+          // stream ends sees its request there. In flight until they are out.
+          record(c, 200, prompt_tokens, completion_tokens);
           write("data: [DONE]\n\n");
           sink.done();
-          finished(c, 200, prompt_tokens, completion_tokens);
+          done(c);
           fmt::print(stderr, "[serve] {} 200 (stream) prompt {} completion {} {:.3f} s\n", id, prompt_tokens,
                      completion_tokens, seconds_between(c->submitted, Clock::now()));
           return true;
@@ -522,6 +526,11 @@ class Server {
 
   void finished(const std::shared_ptr<Completion>& c, int status, int64_t prompt_tokens, int64_t completion_tokens) {
     done(c);
+    record(c, status, prompt_tokens, completion_tokens);
+  }
+
+  /// The request's figures in /metrics.
+  void record(const std::shared_ptr<Completion>& c, int status, int64_t prompt_tokens, int64_t completion_tokens) {
     std::lock_guard<std::mutex> lock(metrics_mu_);
     ++requests_by_status_[status];
     prompt_tokens_ += prompt_tokens;
