@@ -168,6 +168,15 @@ void check_bool_bytes(const at::Tensor& t, const std::string& path, const std::s
   }
 }
 
+// Drops the resident pages of a private read-only file mapping that lie wholly inside [begin,
+// end): they are clean, so nothing is lost (a later read maps them from the file again).
+void drop_pages(const uint8_t* begin, const uint8_t* end) {
+  static const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t first = (reinterpret_cast<uintptr_t>(begin) + page - 1) / page * page;
+  const uintptr_t last = reinterpret_cast<uintptr_t>(end) / page * page;
+  if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
+
 // The format requires the data section to be indexed entirely and without overlap: sorted by
 // offsets, each tensor starts where the previous one ends, the first at 0 and the last at the
 // end. Overlapping tensors would alias each other's bytes and holes or trailing bytes carry data
@@ -298,28 +307,63 @@ const SafetensorsEntry& SafetensorsFile::entry(const std::string& name) const {
   return it->second;
 }
 
-at::Tensor SafetensorsFile::tensor(const std::string& name) const {
+at::Tensor SafetensorsFile::tensor(const std::string& name) const { return tensor_as(name, entry(name).dtype); }
+
+at::Tensor SafetensorsFile::tensor_as(const std::string& name, at::ScalarType dtype) const {
   const SafetensorsEntry& e = entry(name);
-  // A fresh tensor + memcpy rather than from_blob().clone(): the mapping gives no alignment.
-  at::Tensor out = at::empty(e.shape, at::TensorOptions().dtype(e.dtype).device(at::kCPU));
   const int64_t bytes = e.end - e.begin;
-  if (bytes > 0) std::memcpy(out.data_ptr(), data_ + e.begin, static_cast<size_t>(bytes));
+  // A fresh tensor + memcpy rather than from_blob().clone(): the mapping gives no alignment.
+  at::Tensor out = at::empty(e.shape, at::TensorOptions().dtype(e.dtype == at::kBool ? at::kBool : dtype));
+  copy_runs(e, 0, 1, bytes, bytes, out);
   check_bool_bytes(out, path_, name);
-  return out;
+  return e.dtype == at::kBool ? out.to(dtype) : out;
+}
+
+void SafetensorsFile::copy_runs(const SafetensorsEntry& e, int64_t first, int64_t outer, int64_t run, int64_t stride,
+                                at::Tensor& out) const {
+  constexpr int64_t kPiece = int64_t{4} << 20;  // a multiple of every element size
+  const auto element = static_cast<int64_t>(c10::elementSize(e.dtype));
+  const bool same = out.scalar_type() == e.dtype;
+  auto* dst = static_cast<uint8_t*>(out.data_ptr());
+  at::Tensor staging;  // converting: pieces of the file's dtype, then one copy_ into `out`
+  if (!same && run > 0 && outer > 0) staging = at::empty({std::min(kPiece, outer * run) / element}, e.dtype);
+  const at::Tensor flat = out.view({-1});
+  int64_t staged = 0, converted = 0;  // bytes in staging; elements of `out` written
+  auto flush = [&] {
+    if (staged == 0) return;
+    flat.narrow(0, converted, staged / element).copy_(staging.narrow(0, 0, staged / element));
+    converted += staged / element;
+    staged = 0;
+  };
+  for (int64_t o = 0; o < outer; ++o) {
+    for (int64_t done = 0; done < run;) {
+      const int64_t n = std::min(run - done, same ? kPiece : kPiece - staged);
+      const uint8_t* src = data_ + e.begin + first + o * stride + done;
+      if (same) {
+        std::memcpy(dst + o * run + done, src, static_cast<size_t>(n));
+      } else {
+        std::memcpy(static_cast<uint8_t*>(staging.data_ptr()) + staged, src, static_cast<size_t>(n));
+        staged += n;
+        if (staged == kPiece) flush();
+      }
+      drop_pages(src, src + n);
+      done += n;
+    }
+  }
+  if (!same) flush();
 }
 
 void SafetensorsFile::release(const std::string& name) const {
   const SafetensorsEntry& e = entry(name);
-  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const auto begin = reinterpret_cast<uintptr_t>(data_ + e.begin);
-  const auto end = reinterpret_cast<uintptr_t>(data_ + e.end);
-  const uintptr_t first = (begin + page - 1) / page * page;  // whole pages inside the tensor only
-  const uintptr_t last = end / page * page;
-  // A private read-only file mapping: the pages are clean, so dropping them loses nothing.
-  if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+  drop_pages(data_ + e.begin, data_ + e.end);
 }
 
 at::Tensor SafetensorsFile::narrow(const std::string& name, int64_t dim, int64_t start, int64_t length) const {
+  return narrow_as(name, dim, start, length, entry(name).dtype);
+}
+
+at::Tensor SafetensorsFile::narrow_as(const std::string& name, int64_t dim, int64_t start, int64_t length,
+                                      at::ScalarType dtype) const {
   const SafetensorsEntry& e = entry(name);
   const auto rank = static_cast<int64_t>(e.shape.size());
   VLMGEN_CHECK(rank > 0, "safetensors file '{}': cannot narrow 0-d tensor '{}'", path_, name);
@@ -341,18 +385,10 @@ at::Tensor SafetensorsFile::narrow(const std::string& name, int64_t dim, int64_t
 
   std::vector<int64_t> out_shape = e.shape;
   out_shape[dim] = length;
-  at::Tensor out = at::empty(out_shape, at::TensorOptions().dtype(e.dtype).device(at::kCPU));
-  const int64_t chunk = length * inner_bytes;
-  if (chunk > 0) {
-    auto* dst = static_cast<uint8_t*>(out.data_ptr());
-    const uint8_t* src = data_ + e.begin + start * inner_bytes;
-    const int64_t src_stride = size * inner_bytes;
-    for (int64_t o = 0; o < outer; ++o) {
-      std::memcpy(dst + o * chunk, src + o * src_stride, static_cast<size_t>(chunk));
-    }
-  }
+  at::Tensor out = at::empty(out_shape, at::TensorOptions().dtype(e.dtype == at::kBool ? at::kBool : dtype));
+  copy_runs(e, start * inner_bytes, outer, length * inner_bytes, size * inner_bytes, out);
   check_bool_bytes(out, path_, name);
-  return out;
+  return e.dtype == at::kBool ? out.to(dtype) : out;
 }
 
 void save_safetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,

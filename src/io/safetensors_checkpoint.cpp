@@ -137,4 +137,15 @@ at::Tensor SafetensorsCheckpoint::narrow(const std::string& name, int64_t dim, i
   return files_[owner_.at(name)]->narrow(name, dim, start, length);
 }
 
+at::Tensor SafetensorsCheckpoint::tensor_as(const std::string& name, at::ScalarType dtype) const {
+  entry(name);
+  return files_[owner_.at(name)]->tensor_as(name, dtype);
+}
+
+at::Tensor SafetensorsCheckpoint::narrow_as(const std::string& name, int64_t dim, int64_t start, int64_t length,
+                                            at::ScalarType dtype) const {
+  entry(name);
+  return files_[owner_.at(name)]->narrow_as(name, dim, start, length, dtype);
+}
+
 }  // namespace vlmgen

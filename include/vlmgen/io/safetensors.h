@@ -50,6 +50,12 @@ class SafetensorsFile {
   at::Tensor tensor(const std::string& name) const;
   /// Rows [start, start + length) of dimension `dim` only.
   at::Tensor narrow(const std::string& name, int64_t dim, int64_t start, int64_t length) const;
+  /// As tensor() and narrow(), converted to `dtype` on the way: the file's bytes go through a
+  /// 4 MiB buffer, so no whole copy in the file's dtype is ever made (a float32 checkpoint loaded
+  /// as bfloat16 peaks at the bfloat16 tensor, not at both). Both drop the mapping's pages behind
+  /// the copy as they go.
+  at::Tensor tensor_as(const std::string& name, at::ScalarType dtype) const;
+  at::Tensor narrow_as(const std::string& name, int64_t dim, int64_t start, int64_t length, at::ScalarType dtype) const;
   /// Drops the mapping's resident pages that lie wholly inside tensor `name` (they are read back
   /// from the file if the tensor is read again): a loader that copied a tensor out calls it so the
   /// file's pages and the copies are never resident together.
@@ -57,6 +63,10 @@ class SafetensorsFile {
 
  private:
   void read_header(std::string_view text);
+  /// `outer` runs of `run` bytes, `stride` apart from `first` in the data section, into `out`
+  /// (contiguous; its dtype may differ from the entry's), dropping the pages read.
+  void copy_runs(const SafetensorsEntry& e, int64_t first, int64_t outer, int64_t run, int64_t stride,
+                 at::Tensor& out) const;
 
   std::string path_;
   std::map<std::string, SafetensorsEntry> entries_;
@@ -81,6 +91,8 @@ class SafetensorsCheckpoint {
   const SafetensorsEntry& entry(const std::string& name) const;
   at::Tensor tensor(const std::string& name) const;
   at::Tensor narrow(const std::string& name, int64_t dim, int64_t start, int64_t length) const;
+  at::Tensor tensor_as(const std::string& name, at::ScalarType dtype) const;
+  at::Tensor narrow_as(const std::string& name, int64_t dim, int64_t start, int64_t length, at::ScalarType dtype) const;
   void release(const std::string& name) const;  // SafetensorsFile::release in the file holding it
 
  private:
