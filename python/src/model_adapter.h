@@ -117,4 +117,10 @@ class PythonModel : public CausalVlm {
   std::string name_;  ///< the Python class name, for messages
 };
 
+/// A C++ model bound to Python (vlmgen.Model), or any Python object with forward(args).
+inline std::shared_ptr<CausalVlm> model_from_python(py::handle model) {
+  if (py::isinstance<CausalVlm>(model)) return model.cast<std::shared_ptr<CausalVlm>>();
+  return std::make_shared<PythonModel>(py::reinterpret_borrow<py::object>(model));
+}
+
 }  // namespace vlmgen::python

@@ -2,7 +2,7 @@
 
 // The OpenAI chat-completions request as vlmgen-serve reads it: JSON in, chat messages and
 // generation options out, or an ApiError that names the offending field (OpenAI's error object).
-// Also the stop-string matcher the streams use. Header-only, used by tools/serve/serve.cpp.
+// Also the stop-string matcher the streams use. Header-only, used by vlmgen-serve (tools/serve).
 
 #include <cstdint>
 #include <filesystem>

@@ -1,0 +1,188 @@
+// vlmgen-serve's HTTP side: loading the model and the engine, the routes (API key, errors, /health,
+// /v1/models, /metrics, /v1/chat/completions) and the checks a chat request passes before it is
+// submitted. The replies themselves are in server_replies.cpp.
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <filesystem>
+
+#include "serve_internal.h"
+#include "vlmgen/error.h"
+#include "vlmgen/image/image.h"
+#include "vlmgen/image/preprocessor_config.h"
+#include "vlmgen/io/files.h"
+#include "vlmgen/io/json.h"
+#include "vlmgen/models/load_model.h"
+
+namespace vlmgen::serve {
+
+Server::Server(const Options& options, const ParallelContext& parallel) : options_(options) {
+  // The tokenizer, template and image format first: a folder vlmgen cannot write prompts for
+  // fails before its weights are read.
+  tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_pretrained(options.model));
+  std::string source;
+  processor_ = std::make_unique<ChatProcessor>(ChatProcessor::from_pretrained(
+      options.model, *tokenizer_, ChatImageFormat::from_pretrained(options.model, *tokenizer_, &source)));
+  model_ = load_model(options.model, parallel, load_options_for(options.dtype, options.device));
+  end_ids_ = end_token_ids_from_pretrained(options.model, *tokenizer_);
+  engine_ = std::make_unique<Engine>(*model_, engine_options(options), parallel);
+  limits_.default_max_tokens = options.default_max_tokens;
+  if (!options.allow_local_images.empty()) limits_.local_image_dir = options.allow_local_images;
+  model_name_ =
+      options.model_name.empty() ? std::filesystem::path(options.model).filename().string() : options.model_name;
+  if (model_name_.empty()) model_name_ = "vlmgen";
+  fmt::print(stderr,
+             "[serve] model {} ({}, vocab {}, tensor-parallel ranks {}); chat template {}; images: {}; "
+             "end tokens {}\n",
+             options.model, checkpoint_model_type(options.model), tokenizer_->vocab_size(), parallel.tp_size(),
+             processor_->chat_template().name(), source, fmt::join(end_ids_, ","));
+}
+
+void Server::install(httplib::Server& svr) {
+  svr.set_payload_max_length(static_cast<size_t>(options_.max_body_bytes));
+  svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (options_.api_key.empty() || req.path.rfind("/v1/", 0) != 0) return httplib::Server::HandlerResponse::Unhandled;
+    if (req.get_header_value("Authorization") == "Bearer " + options_.api_key) {
+      return httplib::Server::HandlerResponse::Unhandled;
+    }
+    reply_error(res, ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", "", "authentication_error",
+                              "invalid_api_key"));
+    count_status(401);
+    return httplib::Server::HandlerResponse::Handled;
+  });
+  svr.set_error_handler([this](const httplib::Request&, httplib::Response& res) {
+    if (!res.body.empty()) return;
+    if (res.status == 413) {
+      reply_error(
+          res, ApiError(413, fmt::format("request body is larger than --max-body-bytes {}", options_.max_body_bytes)));
+    } else if (res.status == 404) {
+      reply_error(res, ApiError(404, "no such endpoint", "", "invalid_request_error", "not_found"));
+    } else {
+      reply_error(res, ApiError(res.status, "request failed"));
+    }
+    count_status(res.status);
+  });
+  svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    const std::string broken = engine_->broken();  // the tensor-parallel ranks no longer step together
+    if (broken.empty()) {
+      res.set_content("{\"status\":\"ok\"}", "application/json");
+      return;
+    }
+    res.status = 503;
+    res.set_content(Json{{"status", "broken"}, {"reason", broken}}.dump(), "application/json");
+  });
+  svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    Json body = {
+        {"object", "list"},
+        {"data",
+         Json::array({{{"id", model_name_}, {"object", "model"}, {"created", created_}, {"owned_by", "vlmgen"}}})}};
+    res.set_content(body.dump(), "application/json");
+  });
+  svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics_text(), "text/plain; version=0.0.4");
+  });
+  svr.Post("/v1/chat/completions",
+           [this](const httplib::Request& req, httplib::Response& res) { chat_completions(req, res); });
+}
+
+void Server::chat_completions(const httplib::Request& req, httplib::Response& res) {
+  const int64_t number = next_id_.fetch_add(1);
+  const std::string id = fmt::format("chatcmpl-{}", number);
+  try {
+    if (draining_.load()) throw ApiError(503, "the server is shutting down", "", "server_error", "shutting_down");
+    Json body;
+    try {
+      // Depth first, on the raw text: a body nested thousands of levels deep never reaches the parser.
+      check_json_limits(req.body, JsonLimits().max_bytes(options_.max_body_bytes), "the request body");
+    } catch (const Error& e) {
+      throw ApiError(400, e.what());
+    }
+    try {
+      body = Json::parse(req.body);
+    } catch (const Json::exception& e) {
+      throw ApiError(400, fmt::format("the body is not valid JSON: {}", e.what()));
+    }
+    ChatRequest chat = parse_chat_request(body, limits_);
+    decode_images(chat.messages);
+    ChatPrompt prompt;
+    try {
+      prompt = processor_->build(chat.messages);
+    } catch (const Error& e) {
+      throw ApiError(400, e.what(), "messages");
+    }
+    const int64_t context = model_->traits().max_sequence_length;
+    const auto prompt_tokens = static_cast<int64_t>(prompt.ids.size());
+    if (context > 0 && prompt_tokens + chat.max_tokens > context) {
+      throw ApiError(400,
+                     fmt::format("the prompt has {} tokens and max_tokens is {}: {} in all, above the model's "
+                                 "context of {} tokens",
+                                 prompt_tokens, chat.max_tokens, prompt_tokens + chat.max_tokens, context),
+                     "messages", "invalid_request_error", "context_length_exceeded");
+    }
+    if (engine_->metrics().waiting >= options_.max_waiting) {
+      res.set_header("Retry-After", "1");
+      throw ApiError(429, fmt::format("{} requests are waiting; try again later", options_.max_waiting), "",
+                     "rate_limit_error", "queue_full");
+    }
+    auto completion = std::make_shared<Completion>(*tokenizer_, chat.stop, chat.logprobs);
+    GenerateRequest request({prompt.ids}, prompt.vision);
+    request.on_token = [completion](const TokenEvent& e) { return completion->on_token(e); };
+    auto config = GenerationConfig()
+                      .max_new_tokens(chat.max_tokens)
+                      .temperature(chat.temperature)
+                      .top_p(chat.top_p)
+                      .seed(chat.seed)
+                      .end_token_ids(end_ids_)
+                      .return_logprobs(chat.logprobs)
+                      .top_logprobs(chat.top_logprobs);
+    try {
+      completion->handle = engine_->submit(std::move(request), config);
+    } catch (const Error& e) {
+      const std::string broken = engine_->broken();
+      if (!broken.empty()) {
+        throw ApiError(503, "the server cannot serve requests any more: " + broken, "", "server_error",
+                       "engine_stopped");
+      }
+      throw ApiError(400, e.what(), "messages");
+    }
+    {
+      std::lock_guard<std::mutex> lock(active_mu_);
+      active_.insert(completion);
+    }
+    if (chat.stream) {
+      stream(res, id, chat, prompt_tokens, completion);
+    } else {
+      respond(res, id, chat, prompt_tokens, completion);
+    }
+  } catch (const ApiError& e) {
+    reply_error(res, e);
+    count_status(e.status);
+    fmt::print(stderr, "[serve] {} {} {}\n", id, e.status, e.what());
+  }
+}
+
+void Server::decode_images(std::vector<ChatMessage>& messages) const {
+  for (size_t i = 0; i < messages.size(); ++i) {
+    for (size_t j = 0; j < messages[i].content.size(); ++j) {
+      ContentPart& part = messages[i].content[j];
+      if (part.kind != ContentPart::Kind::kImageBytes && part.kind != ContentPart::Kind::kImageFile) continue;
+      try {
+        // A local file (behind --allow-local-images) is read here too, under the same limits.
+        const std::string bytes = part.kind == ContentPart::Kind::kImageFile
+                                      ? read_regular_file(part.text, "image file", options_.max_body_bytes)
+                                      : std::move(part.text);
+        Image image = decode_image(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(),
+                                   ImageLimits().max_pixels(options_.max_image_pixels));
+        part.kind = ContentPart::Kind::kImagePixels;
+        part.pixels = std::make_shared<const Image>(std::move(image));
+        part.text.clear();
+      } catch (const Error& e) {
+        throw ApiError(400, fmt::format("the image cannot be used: {}", e.what()),
+                       fmt::format("messages[{}].content[{}].image_url.url", i, j));
+      }
+    }
+  }
+}
+
+}  // namespace vlmgen::serve
