@@ -168,6 +168,16 @@ void check_bool_bytes(const at::Tensor& t, const std::string& path, const std::s
   }
 }
 
+// FP8 tensors are held as their bytes (uint8): converting those bytes as numbers would give
+// values of 0 to 255, not the weights, so a read as another dtype is refused (the FP8 loaders decode).
+void check_fp8_as_bytes(const SafetensorsEntry& e, const std::string& path, const std::string& name,
+                        at::ScalarType dtype) {
+  VLMGEN_CHECK(!e.fp8 || dtype == at::kByte,
+               "safetensors file '{}': FP8 tensor '{}' is read as its bytes (uint8), not as {}; decode it with "
+               "its scales (vlmgen/io/fp8.h)",
+               path, name, c10::toString(dtype));
+}
+
 // Drops the resident pages of a private read-only file mapping that lie wholly inside [begin,
 // end): they are clean, so nothing is lost (a later read maps them from the file again).
 void drop_pages(const uint8_t* begin, const uint8_t* end) {
@@ -311,6 +321,7 @@ at::Tensor SafetensorsFile::tensor(const std::string& name) const { return tenso
 
 at::Tensor SafetensorsFile::tensor_as(const std::string& name, at::ScalarType dtype) const {
   const SafetensorsEntry& e = entry(name);
+  check_fp8_as_bytes(e, path_, name, dtype);
   const int64_t bytes = e.end - e.begin;
   // A fresh tensor + memcpy rather than from_blob().clone(): the mapping gives no alignment.
   at::Tensor out = at::empty(e.shape, at::TensorOptions().dtype(e.dtype == at::kBool ? at::kBool : dtype));
@@ -365,6 +376,7 @@ at::Tensor SafetensorsFile::narrow(const std::string& name, int64_t dim, int64_t
 at::Tensor SafetensorsFile::narrow_as(const std::string& name, int64_t dim, int64_t start, int64_t length,
                                       at::ScalarType dtype) const {
   const SafetensorsEntry& e = entry(name);
+  check_fp8_as_bytes(e, path_, name, dtype);
   const auto rank = static_cast<int64_t>(e.shape.size());
   VLMGEN_CHECK(rank > 0, "safetensors file '{}': cannot narrow 0-d tensor '{}'", path_, name);
   VLMGEN_CHECK(dim >= -rank && dim < rank,

@@ -16,8 +16,37 @@
 #include "vlmgen/distributed/communicator.h"
 #include "vlmgen/error.h"
 #include "vlmgen/io/safetensors.h"
+#include "vlmgen/models/qwen_vl.h"
 
 namespace vlmgen::detail {
+
+/// This rank's slice of tensor `name` ([full_shape], already checked) under `layout` as `dtype`,
+/// read from the mapping without touching the other ranks' bytes: a fresh contiguous tensor of
+/// this rank's size (never a view that keeps the whole weight alive).
+inline at::Tensor read_shard(const SafetensorsCheckpoint& checkpoint, const std::string& name,
+                             const std::vector<int64_t>& full_shape, qwen_vl::ShardLayout layout, int64_t rank,
+                             int64_t tp, at::ScalarType dtype) {
+  switch (layout) {
+    case qwen_vl::ShardLayout::kReplicated: return checkpoint.tensor_as(name, dtype);
+    case qwen_vl::ShardLayout::kRows: {
+      const int64_t rows = full_shape[0] / tp;
+      return checkpoint.narrow_as(name, 0, rank * rows, rows, dtype);
+    }
+    case qwen_vl::ShardLayout::kColumns: {
+      const int64_t cols = full_shape[1] / tp;
+      return checkpoint.narrow_as(name, 1, rank * cols, cols, dtype);
+    }
+    case qwen_vl::ShardLayout::kStackedRows: {
+      const int64_t third = full_shape[0] / 3;
+      const int64_t rows = third / tp;
+      std::vector<at::Tensor> parts;
+      for (int64_t i = 0; i < 3; ++i)
+        parts.push_back(checkpoint.narrow_as(name, 0, i * third + rank * rows, rows, dtype));
+      return at::cat(parts, 0);
+    }
+  }
+  VLMGEN_FAIL("unknown shard layout of tensor {}", name);
+}
 
 /// Where tensor `name` of a transformers conditional-generation model (>= 4.52 spelling:
 /// `model.language_model.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`,

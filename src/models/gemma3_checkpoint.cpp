@@ -63,11 +63,9 @@ std::unique_ptr<Gemma3> Gemma3::from_checkpoint(const std::string& dir, const Pa
                  fmt::join(entry.shape, ", "), dir, fmt::join(full, ", "));
     const bool lm_matrix =
         full.size() == 2 && (starts_with(slots[i].name, "model.language_model.") || slots[i].name == "lm_head.weight");
-    // Read as its dtype (no whole copy in the file's dtype), then this rank's part.
-    const at::Tensor read = checkpoint.tensor_as(sources[i], lm_matrix ? dtype : at::kFloat);
-    *slots[i].tensor = detail::take_shard(read, slots[i].layout, parallel.tp_rank(), parallel.tp_size())
-                           .to(options.device)
-                           .contiguous();
+    *slots[i].tensor = detail::read_shard(checkpoint, sources[i], full, slots[i].layout, parallel.tp_rank(),
+                                          parallel.tp_size(), lm_matrix ? dtype : at::kFloat)
+                           .to(options.device);
     checkpoint.release(sources[i]);
   }
   if (model->config_.tie_word_embeddings) model->tie_lm_head();

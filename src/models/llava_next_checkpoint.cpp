@@ -76,9 +76,9 @@ std::unique_ptr<LlavaNext> LlavaNext::from_checkpoint(const std::string& dir, co
                  fmt::join(entry.shape, ", "), dir, fmt::join(full, ", "));
     const bool text = starts_with(slot.name, "model.language_model.") || slot.name == "lm_head.weight";
     const bool lm_matrix = text && QwenVl::is_lm_matrix(decoder_name(slot.name), *slot.tensor);
-    const at::Tensor read = checkpoint.tensor_as(source, lm_matrix ? options.weights_dtype : at::kFloat);
-    *slot.tensor =
-        detail::take_shard(read, slot.layout, parallel.tp_rank(), parallel.tp_size()).to(options.device).contiguous();
+    *slot.tensor = detail::read_shard(checkpoint, source, full, slot.layout, parallel.tp_rank(), parallel.tp_size(),
+                                      lm_matrix ? options.weights_dtype : at::kFloat)
+                       .to(options.device);
     checkpoint.release(source);
   }
   // The decoder's idle tower (never run) gets zeros.

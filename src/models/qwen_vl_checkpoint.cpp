@@ -33,33 +33,6 @@ std::vector<std::string> name_candidates(const std::string& name) {
   return {name};
 }
 
-/// This rank's slice of tensor `name` ([full_shape], already checked) under `layout` as `dtype`,
-/// read from the mapping without touching the other ranks' bytes.
-at::Tensor read_slice(const SafetensorsCheckpoint& checkpoint, const std::string& name,
-                      const std::vector<int64_t>& full_shape, qwen_vl::ShardLayout layout, int64_t rank, int64_t tp,
-                      at::ScalarType dtype) {
-  switch (layout) {
-    case qwen_vl::ShardLayout::kReplicated: return checkpoint.tensor_as(name, dtype);
-    case qwen_vl::ShardLayout::kRows: {
-      const int64_t rows = full_shape[0] / tp;
-      return checkpoint.narrow_as(name, 0, rank * rows, rows, dtype);
-    }
-    case qwen_vl::ShardLayout::kColumns: {
-      const int64_t cols = full_shape[1] / tp;
-      return checkpoint.narrow_as(name, 1, rank * cols, cols, dtype);
-    }
-    case qwen_vl::ShardLayout::kStackedRows: {
-      const int64_t third = full_shape[0] / 3;
-      const int64_t rows = third / tp;
-      std::vector<at::Tensor> parts;
-      for (int64_t i = 0; i < 3; ++i)
-        parts.push_back(checkpoint.narrow_as(name, 0, i * third + rank * rows, rows, dtype));
-      return at::cat(parts, 0);
-    }
-  }
-  VLMGEN_FAIL("unknown shard layout of tensor {}", name);
-}
-
 /// The scheme (with the file's FP8 format) and scale tensor name of FP8 tensor `name`, checked:
 /// the checkpoint declares a scheme, the tensor is a weight of a module the scheme quantizes, and
 /// its scale is there.
@@ -208,8 +181,7 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
     VLMGEN_CHECK(entry.dtype == at::kFloat || entry.dtype == at::kHalf || entry.dtype == at::kBFloat16,
                  "tensor {} in checkpoint {} is {}; weights must be F32, F16, BF16 or FP8", sources[i], dir,
                  c10::toString(entry.dtype));
-    *target =
-        read_slice(checkpoint, sources[i], full, weights[i].layout, rank, tp, dtype).to(options.device).contiguous();
+    *target = detail::read_shard(checkpoint, sources[i], full, weights[i].layout, rank, tp, dtype).to(options.device);
     checkpoint.release(sources[i]);  // copied out: the file's pages need not stay resident beside it
   }
   if (fp8_dequantized > 0) {

@@ -203,6 +203,17 @@ TEST_F(SafetensorsTest, ReadsConvertedToAnotherDtypeEqualTheFileDtypeReadThenCon
       }
     }
   }
+  // FP8 tensors are read as their bytes only: converting the bytes as numbers is refused.
+  const std::string fp8_path = file("f8.safetensors");
+  const at::Tensor bytes = at::arange(0, 126, at::kByte).reshape({6, 21});
+  save_safetensors(fp8_path, {{"w", bytes}}, {}, {{"w", Fp8Format::kE4M3}});
+  SafetensorsFile fp8(fp8_path);
+  EXPECT_TRUE(at::equal(fp8.tensor("w"), bytes));
+  EXPECT_TRUE(at::equal(fp8.narrow_as("w", 1, 3, 5, at::kByte), bytes.narrow(1, 3, 5)));
+  EXPECT_THAT([&] { fp8.tensor_as("w", at::kFloat); },
+              ::testing::ThrowsMessage<Error>(AllOf(HasSubstr("FP8 tensor 'w'"), HasSubstr("Float"))));
+  EXPECT_THROW(fp8.narrow_as("w", 0, 1, 2, at::kBFloat16), Error);
+
   // The pages dropped behind a read come back from the file: reading again gives the same values.
   EXPECT_TRUE(at::equal(f.tensor("big"), tensors.at("big")));
   f.release("big");

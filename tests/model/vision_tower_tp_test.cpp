@@ -189,6 +189,9 @@ void expect_checkpoint_round_trip(const std::string& dir, const std::string& fam
   auto model = Model::from_checkpoint(dir, par);
   EXPECT_TRUE(model->vision_tower_sharded()) << family;
   EXPECT_GT(expect_slices_of(*reference, *model, true, par.tp_rank(), family), 0) << family;
+  // Each rank reads and keeps only its slices: no weight is a view into the whole tensor.
+  for (const auto& [name, t] : model->named_weights())
+    EXPECT_EQ(t->storage().nbytes(), t->nbytes()) << family << ": " << name << " keeps the whole tensor's storage";
 
   const std::string again = dir + "/saved-by-tp";
   model->save_checkpoint(again);  // every rank returns once rank 0 has written it

@@ -46,19 +46,21 @@ class SafetensorsFile {
   /// Bytes of the data section (after the header): the sum of all tensors' byte sizes.
   int64_t data_bytes() const { return data_size_; }
 
-  /// The whole tensor, copied out of the mapping (CPU, the file's dtype).
+  /// The whole tensor, copied out of the mapping (CPU, the file's dtype; FP8 as uint8 bytes),
+  /// dropping the mapping's pages behind the copy as tensor_as does.
   at::Tensor tensor(const std::string& name) const;
-  /// Rows [start, start + length) of dimension `dim` only.
+  /// Rows [start, start + length) of dimension `dim` only (pages dropped likewise).
   at::Tensor narrow(const std::string& name, int64_t dim, int64_t start, int64_t length) const;
   /// As tensor() and narrow(), converted to `dtype` on the way: the file's bytes go through a
   /// 4 MiB buffer, so no whole copy in the file's dtype is ever made (a float32 checkpoint loaded
   /// as bfloat16 peaks at the bfloat16 tensor, not at both). Both drop the mapping's pages behind
-  /// the copy as they go.
+  /// the copy as they go. An FP8 tensor can only be read as its bytes (at::kByte).
   at::Tensor tensor_as(const std::string& name, at::ScalarType dtype) const;
   at::Tensor narrow_as(const std::string& name, int64_t dim, int64_t start, int64_t length, at::ScalarType dtype) const;
   /// Drops the mapping's resident pages that lie wholly inside tensor `name` (they are read back
-  /// from the file if the tensor is read again): a loader that copied a tensor out calls it so the
-  /// file's pages and the copies are never resident together.
+  /// from the file if the tensor is read again). The reads above already drop what they read,
+  /// but for a page shared by two of their pieces or runs; a loader calls this once it is done
+  /// with a tensor so none of its pages stays resident beside the copies.
   void release(const std::string& name) const;
 
  private:
