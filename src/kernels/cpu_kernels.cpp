@@ -41,7 +41,9 @@ bool cpu_reports(Isa isa) {
     case Isa::kPortable: return true;
     case Isa::kAvx2:
       return raw::avx2_compiled() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c();
-    case Isa::kAvx512: return raw::avx512_compiled() && __builtin_cpu_supports("avx512f") && has_f16c();
+    case Isa::kAvx512:
+      return raw::avx512_compiled() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             has_f16c();
   }
   return false;
 #else

@@ -14,6 +14,7 @@ struct Avx2 {
   static constexpr int64_t kLanes = 8;
   static constexpr int kOutTile = 4;  // 4 x 2 accumulators + 2 inputs + 1 weight of 16 registers
   static constexpr int kRowTile = 2;
+  static constexpr bool kWholeLines = false;
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float f) { return _mm256_set1_ps(f); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }

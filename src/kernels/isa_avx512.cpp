@@ -1,7 +1,8 @@
-// The kernels with AVX-512F (16 floats a vector). Compiled with -mavx512f -mfma -mf16c; called
-// only when the CPU reports AVX-512F.
+// The kernels with AVX-512F and BW (16 floats a vector; BW for the 16-bit shifts that widen a
+// cache line of FP8 weights). Compiled with -mavx512f -mavx512bw -mfma -mf16c; called only when
+// the CPU reports AVX-512F and BW (every AVX-512 CPU since Skylake-SP, and AMD's).
 
-#if defined(__AVX512F__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
 
 #include "kernels_impl.h"
@@ -20,6 +21,47 @@ struct Avx512 {
   static V load_bf16(const uint16_t* p) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static constexpr bool kWholeLines = true;
+  // A line's parts: bfloat16, the even- then the odd-numbered of its 32 weights; FP8, read as 32
+  // pairs of bytes, the even-numbered bytes of its first and second halves, then the odd-numbered
+  // of each. split_inputs<N> puts the inputs in the same order.
+  template <WeightType T>
+  static void load_line(const void* p, V (&parts)[kLineParts<T>]) {
+    const __m512i w = _mm512_loadu_si512(p);
+    if constexpr (T == WeightType::kBF16) {
+      parts[0] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+      parts[1] = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+    } else {
+      // Each byte as a half (see load_e4m3 / load_e5m2): the low byte of each 16-bit pair shifted to
+      // the top first, the high byte in place; for E4M3 an arithmetic shift right by 1 then puts the
+      // sign in bits 15 and 14 and the rest in 13..7, and the mask clears bit 14 and the low bits.
+      __m512i even = _mm512_slli_epi16(w, 8);
+      __m512i odd = w;
+      if constexpr (T == WeightType::kE4M3) {
+        even = _mm512_srai_epi16(even, 1);
+        odd = _mm512_srai_epi16(odd, 1);
+      }
+      const __m512i mask = _mm512_set1_epi16(static_cast<int16_t>(T == WeightType::kE4M3 ? 0xbf80 : 0xff00));
+      even = _mm512_and_si512(even, mask);
+      odd = _mm512_and_si512(odd, mask);
+      parts[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(even));
+      parts[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(even, 1));
+      parts[2] = _mm512_cvtph_ps(_mm512_castsi512_si256(odd));
+      parts[3] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(odd, 1));
+    }
+  }
+  template <int N>
+  static void split_inputs(const float* p, V (&parts)[N]) {
+    // Index 16 + k picks the second vector's element k: lane j gets element 2j (even) or 2j + 1.
+    const __m512i even_index = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd_index = _mm512_add_epi32(even_index, _mm512_set1_epi32(1));
+    for (int half = 0; half < N / 2; ++half) {
+      const V lo = _mm512_loadu_ps(p + 32 * half);
+      const V hi = _mm512_loadu_ps(p + 32 * half + 16);
+      parts[half] = _mm512_permutex2var_ps(lo, even_index, hi);
+      parts[half + N / 2] = _mm512_permutex2var_ps(lo, odd_index, hi);
+    }
   }
   static V load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

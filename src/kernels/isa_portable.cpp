@@ -14,6 +14,7 @@ struct Portable {
   static constexpr int64_t kLanes = 8;
   static constexpr int kOutTile = 4;
   static constexpr int kRowTile = 2;
+  static constexpr bool kWholeLines = false;
   static V zero() { return V{}; }
   static V set1(float f) {
     V v;

@@ -3,7 +3,10 @@
 // The kernels once, over a vector type `Vec` that each instruction-set file defines:
 //   V, kLanes, kOutTile, kRowTile, zero(), set1(f), load(const float*), load_bf16(const uint16_t*),
 //   load_f16(const uint16_t*), fma(a, b, acc) (a * b + acc), sum(v), store(float*, v),
-//   exp(v) (e^v for v <= 0, relative error below 2e-7; inputs below -87 give about 1e-38).
+//   exp(v) (e^v for v <= 0, relative error below 2e-7; inputs below -87 give about 1e-38),
+//   kWholeLines and, where it is true, load_line<T>(p, parts) (a 64-byte line of bfloat16 or FP8
+//   weights widened to kLineParts<T> vectors in an order of its own) and split_inputs<N>(p, parts)
+//   (as many floats split into the same order).
 // Included only by those files (see raw_kernels.h); it uses no inline function of another
 // header (a copy compiled with wider instructions could be picked by the linker for every caller).
 
@@ -89,37 +92,90 @@ inline float fp8_scale_at(const Fp8Scales& q, int64_t o, int64_t i) {
 /// each weight vector is scaled (a tile across a row-block edge). kNone: not FP8.
 enum class ScaleMode { kNone, kAtEnd, kToInput, kToWeights };
 
-/// The vector part of a tile: acc[oo][rr] += w(o + oo, i) * x(r + rr, i) over i < vector_end.
+/// How many vectors one 64-byte cache line of T's weights widens to: 2 for 16-bit, 4 for FP8.
+template <WeightType T>
+constexpr int kLineParts = 4 / static_cast<int>(sizeof(WeightElement<T>));
+
+/// The part of a tile over i < line_end (a multiple of the line's elements, whole scale blocks for
+/// FP8) a whole cache line of each weight row per step: one load gives kLineParts<T> vectors of
+/// weights in an interleaved order (Vec::load_line: shifts and masks, fewer shuffles), and each
+/// input row is split into the same order once for the OT rows (Vec::split_inputs). A single
+/// thread reads 16-bit and FP8 rows about 10% faster this way than widening part of a line at a
+/// time. Scales as in tile_loop.
 template <class Vec, WeightType T, int OT, int RT, ScaleMode M>
-void tile_loop(const RowsLinear& a, int64_t o, int64_t r, int64_t vector_end, typename Vec::V (&acc)[OT][RT]) {
+void tile_loop_lines(const RowsLinear& a, int64_t o, int64_t r, int64_t line_end, typename Vec::V (&acc)[OT][RT]) {
+  using V = typename Vec::V;
+  constexpr int N = kLineParts<T>;
+  constexpr int64_t step = N * Vec::kLanes;
+  const int64_t in = a.in;
+  const auto* w = static_cast<const WeightElement<T>*>(a.w);
+  const char* next = reinterpret_cast<const char*>(w + (o + OT) * in);  // as in tile_loop
+  const int64_t row_bytes = in * static_cast<int64_t>(sizeof(WeightElement<T>));
+  const bool prefetch = r == 0 && o + 2 * OT <= a.out_end;
+  [[maybe_unused]] V scales[OT];
+  [[maybe_unused]] V input_scale = Vec::zero();
+  for (int64_t i = 0; i < line_end; i += step) {
+    if (prefetch)
+      for (int oo = 0; oo < OT; ++oo)
+        __builtin_prefetch(next + oo * row_bytes + i * static_cast<int64_t>(sizeof(WeightElement<T>)));
+    if constexpr (M == ScaleMode::kToWeights || M == ScaleMode::kToInput) {
+      if (i % a.fp8.block_in == 0) {  // a line never crosses a block (see line_end)
+        if constexpr (M == ScaleMode::kToWeights)
+          for (int oo = 0; oo < OT; ++oo) scales[oo] = Vec::set1(fp8_scale_at(a.fp8, o + oo, i));
+        else
+          input_scale = Vec::set1(fp8_scale_at(a.fp8, o, i));
+      }
+    }
+    V xs[RT][N];
+    for (int rr = 0; rr < RT; ++rr) {
+      Vec::template split_inputs<N>(a.x + (r + rr) * a.ldx + i, xs[rr]);
+      if constexpr (M == ScaleMode::kToInput)
+        for (int k = 0; k < N; ++k) xs[rr][k] = Vec::fma(xs[rr][k], input_scale, Vec::zero());
+    }
+    for (int oo = 0; oo < OT; ++oo) {
+      V ws[N];
+      Vec::template load_line<T>(w + (o + oo) * in + i, ws);
+      for (int k = 0; k < N; ++k) {
+        if constexpr (M == ScaleMode::kToWeights) ws[k] = Vec::fma(ws[k], scales[oo], Vec::zero());
+        for (int rr = 0; rr < RT; ++rr) acc[oo][rr] = Vec::fma(ws[k], xs[rr][k], acc[oo][rr]);
+      }
+    }
+  }
+}
+
+/// The vector part of a tile: acc[oo][rr] += w(o + oo, i) * x(r + rr, i) over begin <= i <
+/// vector_end (begin: where tile_loop_lines stopped, 0 without it).
+template <class Vec, WeightType T, int OT, int RT, ScaleMode M>
+void tile_loop(const RowsLinear& a, int64_t o, int64_t r, int64_t begin, int64_t vector_end,
+               typename Vec::V (&acc)[OT][RT]) {
   using V = typename Vec::V;
   constexpr int64_t L = Vec::kLanes;
   const int64_t in = a.in;
   [[maybe_unused]] V scales[OT];                 // kToWeights: each output row's scale in the current block
   [[maybe_unused]] V input_scale = Vec::zero();  // kToInput: the tile's scale in the current block
   if constexpr (M == ScaleMode::kToWeights)
-    for (int oo = 0; oo < OT; ++oo) scales[oo] = Vec::zero();  // set at i = 0 (a block boundary)
+    for (int oo = 0; oo < OT; ++oo) scales[oo] = Vec::zero();  // set at i = begin
   // The next tile's weight rows are fetched while this tile computes (the hardware prefetcher
   // alone leaves a single thread well below the machine's read bandwidth on 16-bit rows).
   const char* next = static_cast<const char*>(a.w) + (o + OT) * in * static_cast<int64_t>(sizeof(WeightElement<T>));
   const int64_t row_bytes = in * static_cast<int64_t>(sizeof(WeightElement<T>));
   const bool prefetch = r == 0 && o + 2 * OT <= a.out_end;
   [[maybe_unused]] int64_t next_block = 0;  // FP8: where the next column block of scales starts
-  for (int64_t i = 0; i < vector_end; i += L) {
+  for (int64_t i = begin; i < vector_end; i += L) {
     const int64_t offset = i * static_cast<int64_t>(sizeof(WeightElement<T>));
     if (prefetch && offset % 64 == 0)  // once per cache line of each row
       for (int oo = 0; oo < OT; ++oo) __builtin_prefetch(next + oo * row_bytes + offset);
     // block_in is a multiple of L: a block boundary starts a vector.
     if constexpr (M == ScaleMode::kToWeights) {
-      if (i == next_block) {
+      if (i >= next_block) {  // at begin (maybe inside a block) and at each block's start
         for (int oo = 0; oo < OT; ++oo) scales[oo] = Vec::set1(fp8_scale_at(a.fp8, o + oo, i));
-        next_block += a.fp8.block_in;
+        next_block = (i / a.fp8.block_in + 1) * a.fp8.block_in;
       }
     }
     if constexpr (M == ScaleMode::kToInput) {
-      if (i == next_block) {
+      if (i >= next_block) {
         input_scale = Vec::set1(fp8_scale_at(a.fp8, o, i));
-        next_block += a.fp8.block_in;
+        next_block = (i / a.fp8.block_in + 1) * a.fp8.block_in;
       }
     }
     V xv[RT];
@@ -155,11 +211,26 @@ void linear_tile(const RowsLinear& a, int64_t o, int64_t r) {
       mode = ScaleMode::kToWeights;
     }
   }
+  // Whole cache lines first where the instruction set has them (for FP8 only where a line never
+  // straddles two scale blocks), then vectors, then scalars.
+  int64_t begin = 0;
+  if constexpr (T != WeightType::kF32 && T != WeightType::kF16 && Vec::kWholeLines) {
+    constexpr int64_t line = kLineParts<T> * L;
+    if (mode == ScaleMode::kNone || mode == ScaleMode::kAtEnd || a.fp8.block_in % line == 0) begin = in - in % line;
+    switch (mode) {
+      case ScaleMode::kNone:
+      case ScaleMode::kAtEnd: tile_loop_lines<Vec, T, OT, RT, ScaleMode::kNone>(a, o, r, begin, acc); break;
+      case ScaleMode::kToInput: tile_loop_lines<Vec, T, OT, RT, ScaleMode::kToInput>(a, o, r, begin, acc); break;
+      case ScaleMode::kToWeights: tile_loop_lines<Vec, T, OT, RT, ScaleMode::kToWeights>(a, o, r, begin, acc); break;
+    }
+  }
   switch (mode) {
-    case ScaleMode::kNone: tile_loop<Vec, T, OT, RT, ScaleMode::kNone>(a, o, r, vector_end, acc); break;
-    case ScaleMode::kAtEnd: tile_loop<Vec, T, OT, RT, ScaleMode::kAtEnd>(a, o, r, vector_end, acc); break;
-    case ScaleMode::kToInput: tile_loop<Vec, T, OT, RT, ScaleMode::kToInput>(a, o, r, vector_end, acc); break;
-    case ScaleMode::kToWeights: tile_loop<Vec, T, OT, RT, ScaleMode::kToWeights>(a, o, r, vector_end, acc); break;
+    case ScaleMode::kNone: tile_loop<Vec, T, OT, RT, ScaleMode::kNone>(a, o, r, begin, vector_end, acc); break;
+    case ScaleMode::kAtEnd: tile_loop<Vec, T, OT, RT, ScaleMode::kAtEnd>(a, o, r, begin, vector_end, acc); break;
+    case ScaleMode::kToInput: tile_loop<Vec, T, OT, RT, ScaleMode::kToInput>(a, o, r, begin, vector_end, acc); break;
+    case ScaleMode::kToWeights:
+      tile_loop<Vec, T, OT, RT, ScaleMode::kToWeights>(a, o, r, begin, vector_end, acc);
+      break;
   }
   for (int oo = 0; oo < OT; ++oo) {
     for (int rr = 0; rr < RT; ++rr) {

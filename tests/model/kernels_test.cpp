@@ -27,8 +27,9 @@ double relative_error(const at::Tensor& got, const at::Tensor& want, const at::T
 TEST(CpuKernels, LinearMatchesFloat64OnEveryPathWeightTypeAndRowCount) {
   ASSERT_FALSE(kernels::supported_isas().empty());
   at::manual_seed(3);
-  // Widths that are and are not multiples of the vector length; outputs not a multiple of 4.
-  for (auto [out, in] : std::vector<std::pair<int64_t, int64_t>>{{13, 37}, {64, 768}, {130, 2048}}) {
+  // Widths that are and are not multiples of the vector length (87: two vectors of 32 bfloat16
+  // pairs, one of 16, 7 scalars); outputs not a multiple of 4.
+  for (auto [out, in] : std::vector<std::pair<int64_t, int64_t>>{{13, 37}, {9, 87}, {64, 768}, {130, 2048}}) {
     for (at::ScalarType wt : {at::kFloat, at::kBFloat16, at::kHalf}) {
       at::Tensor weight = at::randn({out, in}).to(wt);
       at::Tensor wide = weight.to(at::kDouble);  // the weights as stored, exactly
