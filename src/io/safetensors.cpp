@@ -377,6 +377,35 @@ at::Tensor SafetensorsFile::narrow_as(const std::string& name, int64_t dim, int6
                                       at::ScalarType dtype) const {
   const SafetensorsEntry& e = entry(name);
   check_fp8_as_bytes(e, path_, name, dtype);
+  const int64_t d = checked_narrow(e, name, dim, start, length);
+  std::vector<int64_t> out_shape = e.shape;
+  out_shape[d] = length;
+  at::Tensor out = at::empty(out_shape, at::TensorOptions().dtype(e.dtype == at::kBool ? at::kBool : dtype));
+  copy_narrowed(e, d, start, out);
+  check_bool_bytes(out, path_, name);
+  return e.dtype == at::kBool ? out.to(dtype) : out;
+}
+
+void SafetensorsFile::narrow_into(const std::string& name, int64_t dim, int64_t start, at::Tensor& out) const {
+  const SafetensorsEntry& e = entry(name);
+  VLMGEN_CHECK(e.dtype != at::kBool, "safetensors file '{}': bool tensor '{}' cannot be read into a given tensor",
+               path_, name);
+  check_fp8_as_bytes(e, path_, name, out.scalar_type());
+  const auto rank = static_cast<int64_t>(e.shape.size());
+  VLMGEN_CHECK(out.defined() && out.device().is_cpu() && out.is_contiguous() && out.dim() == rank,
+               "safetensors file '{}': reading '{}' ({}-d) needs a contiguous CPU tensor of {} dims to read into",
+               path_, name, rank, rank);
+  const int64_t d = checked_narrow(e, name, dim, start, 0);  // the dim, checked
+  checked_narrow(e, name, d, start, out.size(d));
+  std::vector<int64_t> want = e.shape;
+  want[d] = out.size(d);
+  VLMGEN_CHECK(out.sizes().vec() == want, "safetensors file '{}': '{}' rows {}.. along dim {} are [{}], not [{}]",
+               path_, name, start, d, fmt::join(want, ", "), fmt::join(out.sizes(), ", "));
+  copy_narrowed(e, d, start, out);
+}
+
+int64_t SafetensorsFile::checked_narrow(const SafetensorsEntry& e, const std::string& name, int64_t dim, int64_t start,
+                                        int64_t length) const {
   const auto rank = static_cast<int64_t>(e.shape.size());
   VLMGEN_CHECK(rank > 0, "safetensors file '{}': cannot narrow 0-d tensor '{}'", path_, name);
   VLMGEN_CHECK(dim >= -rank && dim < rank,
@@ -387,20 +416,17 @@ at::Tensor SafetensorsFile::narrow_as(const std::string& name, int64_t dim, int6
   VLMGEN_CHECK(start >= 0 && length >= 0 && start <= size && length <= size - start,
                "safetensors file '{}': narrow of '{}' dim {} start {} length {} outside its size {}", path_, name, dim,
                start, length, size);
+  return dim;
+}
 
+void SafetensorsFile::copy_narrowed(const SafetensorsEntry& e, int64_t dim, int64_t start, at::Tensor& out) const {
   // Shape products cannot overflow: the entry's total byte size was checked when parsing.
   const auto element_size = static_cast<int64_t>(c10::elementSize(e.dtype));
   int64_t outer = 1;
   for (int64_t i = 0; i < dim; ++i) outer *= e.shape[i];
   int64_t inner_bytes = element_size;
-  for (int64_t i = dim + 1; i < rank; ++i) inner_bytes *= e.shape[i];
-
-  std::vector<int64_t> out_shape = e.shape;
-  out_shape[dim] = length;
-  at::Tensor out = at::empty(out_shape, at::TensorOptions().dtype(e.dtype == at::kBool ? at::kBool : dtype));
-  copy_runs(e, start * inner_bytes, outer, length * inner_bytes, size * inner_bytes, out);
-  check_bool_bytes(out, path_, name);
-  return e.dtype == at::kBool ? out.to(dtype) : out;
+  for (int64_t i = dim + 1; i < static_cast<int64_t>(e.shape.size()); ++i) inner_bytes *= e.shape[i];
+  copy_runs(e, start * inner_bytes, outer, out.size(dim) * inner_bytes, e.shape[dim] * inner_bytes, out);
 }
 
 void save_safetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,

@@ -148,4 +148,9 @@ at::Tensor SafetensorsCheckpoint::narrow_as(const std::string& name, int64_t dim
   return files_[owner_.at(name)]->narrow_as(name, dim, start, length, dtype);
 }
 
+void SafetensorsCheckpoint::narrow_into(const std::string& name, int64_t dim, int64_t start, at::Tensor& out) const {
+  entry(name);
+  files_[owner_.at(name)]->narrow_into(name, dim, start, out);
+}
+
 }  // namespace vlmgen

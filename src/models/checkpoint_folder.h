@@ -48,6 +48,22 @@ inline at::Tensor read_shard(const SafetensorsCheckpoint& checkpoint, const std:
   VLMGEN_FAIL("unknown shard layout of tensor {}", name);
 }
 
+/// read_shard written into `out` (contiguous CPU, the slice's shape; its dtype is the one read
+/// as): no tensor is allocated on the way but for the stacked layout.
+inline void read_shard_into(const SafetensorsCheckpoint& checkpoint, const std::string& name,
+                            const std::vector<int64_t>& full_shape, qwen_vl::ShardLayout layout, int64_t rank,
+                            int64_t tp, at::Tensor& out) {
+  switch (layout) {
+    case qwen_vl::ShardLayout::kReplicated: return checkpoint.narrow_into(name, 0, 0, out);
+    case qwen_vl::ShardLayout::kRows: return checkpoint.narrow_into(name, 0, rank * (full_shape[0] / tp), out);
+    case qwen_vl::ShardLayout::kColumns: return checkpoint.narrow_into(name, 1, rank * (full_shape[1] / tp), out);
+    case qwen_vl::ShardLayout::kStackedRows:
+      out.copy_(read_shard(checkpoint, name, full_shape, layout, rank, tp, out.scalar_type()));
+      return;
+  }
+  VLMGEN_FAIL("unknown shard layout of tensor {}", name);
+}
+
 /// Where tensor `name` of a transformers conditional-generation model (>= 4.52 spelling:
 /// `model.language_model.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`,
 /// `lm_head.weight`) may sit in a checkpoint: that name, then the earlier spelling

@@ -11,6 +11,7 @@
 #include "vlmgen/error.h"
 #include "vlmgen/io/safetensors.h"
 #include "vlmgen/models/gemma3.h"
+#include "weight_arena.h"
 
 namespace vlmgen {
 namespace {
@@ -51,6 +52,7 @@ std::unique_ptr<Gemma3> Gemma3::from_checkpoint(const std::string& dir, const Pa
   VLMGEN_CHECK(missing.empty(),
                "checkpoint {} lacks {} of the {} tensors the gemma3 config needs (either spelling): {}", dir,
                missing.size(), slots.size(), fmt::join(missing, ", "));
+  detail::StreamedWeights streamed(detail::decode_streamed(model->lm_.layers, model->lm_.lm_head), options);
   for (size_t i = 0; i < slots.size(); ++i) {
     const SafetensorsEntry& entry = checkpoint.entry(sources[i]);
     VLMGEN_CHECK(!entry.fp8, "tensor {} in checkpoint {} is FP8; FP8 checkpoints of gemma3 are not implemented",
@@ -63,11 +65,11 @@ std::unique_ptr<Gemma3> Gemma3::from_checkpoint(const std::string& dir, const Pa
                  fmt::join(entry.shape, ", "), dir, fmt::join(full, ", "));
     const bool lm_matrix =
         full.size() == 2 && (starts_with(slots[i].name, "model.language_model.") || slots[i].name == "lm_head.weight");
-    *slots[i].tensor = detail::read_shard(checkpoint, sources[i], full, slots[i].layout, parallel.tp_rank(),
-                                          parallel.tp_size(), lm_matrix ? dtype : at::kFloat)
-                           .to(options.device);
+    *slots[i].tensor = streamed.read(checkpoint, sources[i], full, slots[i].layout, parallel.tp_rank(),
+                                     parallel.tp_size(), lm_matrix ? dtype : at::kFloat, *slots[i].tensor);
     checkpoint.release(sources[i]);
   }
+  streamed.finish();
   if (model->config_.tie_word_embeddings) model->tie_lm_head();
   return model;
 }

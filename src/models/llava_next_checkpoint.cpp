@@ -11,6 +11,7 @@
 #include "vlmgen/error.h"
 #include "vlmgen/io/safetensors.h"
 #include "vlmgen/models/llava_next.h"
+#include "weight_arena.h"
 
 namespace vlmgen {
 namespace {
@@ -62,6 +63,8 @@ std::unique_ptr<LlavaNext> LlavaNext::from_checkpoint(const std::string& dir, co
                "checkpoint {} lacks {} of the {} tensors the llava_next config needs (either "
                "spelling): {}",
                dir, missing.size(), slots.size(), fmt::join(missing, ", "));
+  detail::StreamedWeights streamed(
+      detail::decode_streamed(decoder.language_model().layers, decoder.language_model().lm_head), options);
   for (size_t i = 0; i < slots.size(); ++i) {
     const QwenVl::WeightSlot& slot = slots[i];
     const std::string& source = sources[i];
@@ -76,11 +79,11 @@ std::unique_ptr<LlavaNext> LlavaNext::from_checkpoint(const std::string& dir, co
                  fmt::join(entry.shape, ", "), dir, fmt::join(full, ", "));
     const bool text = starts_with(slot.name, "model.language_model.") || slot.name == "lm_head.weight";
     const bool lm_matrix = text && QwenVl::is_lm_matrix(decoder_name(slot.name), *slot.tensor);
-    *slot.tensor = detail::read_shard(checkpoint, source, full, slot.layout, parallel.tp_rank(), parallel.tp_size(),
-                                      lm_matrix ? options.weights_dtype : at::kFloat)
-                       .to(options.device);
+    *slot.tensor = streamed.read(checkpoint, source, full, slot.layout, parallel.tp_rank(), parallel.tp_size(),
+                                 lm_matrix ? options.weights_dtype : at::kFloat, *slot.tensor);
     checkpoint.release(source);
   }
+  streamed.finish();
   // The decoder's idle tower (never run) gets zeros.
   for (const QwenVl::WeightSlot& slot : decoder.weight_slots()) {
     if (starts_with(slot.name, "visual.")) *slot.tensor = slot.tensor->zero_().to(options.device);

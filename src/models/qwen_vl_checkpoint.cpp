@@ -18,6 +18,7 @@
 #include "vlmgen/logging.h"
 #include "vlmgen/models/quantization.h"
 #include "vlmgen/models/qwen_vl.h"
+#include "weight_arena.h"
 
 namespace vlmgen {
 namespace {
@@ -151,6 +152,7 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
   const int64_t rank = parallel.tp_rank();
   const int64_t tp = parallel.tp_size();
   int64_t fp8_kept = 0, fp8_dequantized = 0;
+  detail::StreamedWeights streamed(detail::decode_streamed(model->lm_.layers, model->lm_.lm_head), options);
   for (size_t i = 0; i < weights.size(); ++i) {
     at::Tensor* target = weights[i].tensor;
     const SafetensorsEntry& entry = checkpoint.entry(sources[i]);
@@ -164,6 +166,7 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
       qwen_vl::Linear* linear = model->decoder_linear(weights[i].name);
       if (linear != nullptr &&
           read_fp8_bytes(checkpoint, sources[i], *entry.fp8, quantization, dir, weights[i].layout, rank, tp, *linear)) {
+        linear->weight = streamed.place(target, linear->weight);  // 1 byte a weight
         checkpoint.release(sources[i]);
         ++fp8_kept;
         continue;
@@ -175,13 +178,14 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
                                    weights[i].layout, rank, tp)
                     .to(options.device, dtype)
                     .contiguous();
+      *target = streamed.place(target, *target);
       checkpoint.release(sources[i]);
       continue;
     }
     VLMGEN_CHECK(entry.dtype == at::kFloat || entry.dtype == at::kHalf || entry.dtype == at::kBFloat16,
                  "tensor {} in checkpoint {} is {}; weights must be F32, F16, BF16 or FP8", sources[i], dir,
                  c10::toString(entry.dtype));
-    *target = detail::read_shard(checkpoint, sources[i], full, weights[i].layout, rank, tp, dtype).to(options.device);
+    *target = streamed.read(checkpoint, sources[i], full, weights[i].layout, rank, tp, dtype, *target);
     checkpoint.release(sources[i]);  // copied out: the file's pages need not stay resident beside it
   }
   if (fp8_dequantized > 0) {
@@ -190,6 +194,7 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
         "block not a multiple of 16, or blocks a tensor-parallel shard of {} ranks would split); {} kept as bytes",
         dir, fp8_dequantized, fp8_kept + fp8_dequantized, c10::toString(options.weights_dtype), tp, fp8_kept);
   }
+  streamed.finish();
   if (model->config_.tie_word_embeddings) model->tie_lm_head();
   return model;
 }

@@ -199,6 +199,11 @@ TEST_F(SafetensorsTest, ReadsConvertedToAnotherDtypeEqualTheFileDtypeReadThenCon
           ASSERT_TRUE(got.is_contiguous());
           ASSERT_TRUE(at::equal(got, full.narrow(dim, start, length).to(dtype)))
               << "dim " << dim << " start " << start << " length " << length;
+          if (name == "bool") continue;
+          // Into memory the caller placed (a weight's place in a loader's arena): the same values.
+          at::Tensor into = at::full(got.sizes(), 7, dtype);
+          f.narrow_into(name, dim, start, into);
+          ASSERT_TRUE(at::equal(into, got)) << "into: dim " << dim << " start " << start << " length " << length;
         }
       }
     }
@@ -213,6 +218,22 @@ TEST_F(SafetensorsTest, ReadsConvertedToAnotherDtypeEqualTheFileDtypeReadThenCon
   EXPECT_THAT([&] { fp8.tensor_as("w", at::kFloat); },
               ::testing::ThrowsMessage<Error>(AllOf(HasSubstr("FP8 tensor 'w'"), HasSubstr("Float"))));
   EXPECT_THROW(fp8.narrow_as("w", 0, 1, 2, at::kBFloat16), Error);
+  at::Tensor fp8_into = at::empty({6, 5}, at::kByte);
+  fp8.narrow_into("w", 1, 3, fp8_into);
+  EXPECT_TRUE(at::equal(fp8_into, bytes.narrow(1, 3, 5)));
+
+  // A tensor to read into of the wrong shape, past the end, strided or bool: refused, naming it.
+  at::Tensor wrong = at::empty({1100, 1299});
+  EXPECT_THAT(
+      [&] { f.narrow_into("big", 0, 0, wrong); },
+      ::testing::ThrowsMessage<Error>(AllOf(HasSubstr("'big'"), HasSubstr("[1100, 1300]"), HasSubstr("[1100, 1299]"))));
+  at::Tensor rows = at::empty({10, 1300});
+  EXPECT_THAT([&] { f.narrow_into("big", 0, 1095, rows); },
+              ::testing::ThrowsMessage<Error>(AllOf(HasSubstr("'big'"), HasSubstr("start 1095 length 10"))));
+  at::Tensor strided = at::empty({1300, 1100}).t();
+  EXPECT_THAT([&] { f.narrow_into("big", 0, 0, strided); }, ::testing::ThrowsMessage<Error>(HasSubstr("contiguous")));
+  at::Tensor flags = at::empty({5, 3}, at::kBool);
+  EXPECT_THAT([&] { f.narrow_into("bool", 0, 0, flags); }, ::testing::ThrowsMessage<Error>(HasSubstr("bool")));
 
   // The pages dropped behind a read come back from the file: reading again gives the same values.
   EXPECT_TRUE(at::equal(f.tensor("big"), tensors.at("big")));

@@ -57,6 +57,10 @@ class SafetensorsFile {
   /// the copy as they go. An FP8 tensor can only be read as its bytes (at::kByte).
   at::Tensor tensor_as(const std::string& name, at::ScalarType dtype) const;
   at::Tensor narrow_as(const std::string& name, int64_t dim, int64_t start, int64_t length, at::ScalarType dtype) const;
+  /// As narrow_as(name, dim, start, out.size(dim), out's dtype), written into `out` (contiguous,
+  /// CPU, of the tensor's shape but out.size(dim) along `dim`) instead of a new tensor: for
+  /// memory the caller placed. A bool tensor cannot be read this way.
+  void narrow_into(const std::string& name, int64_t dim, int64_t start, at::Tensor& out) const;
   /// Drops the mapping's resident pages that lie wholly inside tensor `name` (they are read back
   /// from the file if the tensor is read again). The reads above already drop what they read,
   /// but for a page shared by two of their pieces or runs; a loader calls this once it is done
@@ -65,6 +69,11 @@ class SafetensorsFile {
 
  private:
   void read_header(std::string_view text);
+  /// `dim` made non-negative, after checking it and [start, start + length) against the entry.
+  int64_t checked_narrow(const SafetensorsEntry& e, const std::string& name, int64_t dim, int64_t start,
+                         int64_t length) const;
+  /// Rows [start, start + out.size(dim)) of dimension `dim` into `out`, converted to its dtype.
+  void copy_narrowed(const SafetensorsEntry& e, int64_t dim, int64_t start, at::Tensor& out) const;
   /// `outer` runs of `run` bytes, `stride` apart from `first` in the data section, into `out`
   /// (contiguous; its dtype may differ from the entry's), dropping the pages read.
   void copy_runs(const SafetensorsEntry& e, int64_t first, int64_t outer, int64_t run, int64_t stride,
@@ -95,6 +104,7 @@ class SafetensorsCheckpoint {
   at::Tensor narrow(const std::string& name, int64_t dim, int64_t start, int64_t length) const;
   at::Tensor tensor_as(const std::string& name, at::ScalarType dtype) const;
   at::Tensor narrow_as(const std::string& name, int64_t dim, int64_t start, int64_t length, at::ScalarType dtype) const;
+  void narrow_into(const std::string& name, int64_t dim, int64_t start, at::Tensor& out) const;
   void release(const std::string& name) const;  // SafetensorsFile::release in the file holding it
 
  private:

