@@ -77,6 +77,9 @@ def test_load_model_keeps_16_bit_weights_when_asked_and_refuses_unknown_dtypes(c
     assert bf16.tokens[0][0] == f32.tokens[0][0]
     assert bf16.sequences[0].logprobs[0] == pytest.approx(f32.sequences[0].logprobs[0], abs=0.05)
     assert bf16.sequences[0].logprobs[0] != f32.sequences[0].logprobs[0]  # the weights did change
+    # Where the weights live changes nothing of what the model computes.
+    plain = vlmgen.Generator(vlmgen.load_model(checkpoint, huge_pages=False)).generate([prompt], config, vision=vision)
+    assert plain.tokens == f32.tokens and plain.sequences[0].logprobs == f32.sequences[0].logprobs
     with pytest.raises(vlmgen.Error, match="f32, bf16, f16 or fp8, got 'int4'"):
         vlmgen.load_model(checkpoint, dtype="int4")
     with pytest.raises(vlmgen.Error, match="is not FP8"):  # fp8 needs an FP8 checkpoint
