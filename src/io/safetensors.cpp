@@ -390,11 +390,11 @@ void SafetensorsFile::narrow_into(const std::string& name, int64_t dim, int64_t 
   const SafetensorsEntry& e = entry(name);
   VLMGEN_CHECK(e.dtype != at::kBool, "safetensors file '{}': bool tensor '{}' cannot be read into a given tensor",
                path_, name);
-  check_fp8_as_bytes(e, path_, name, out.scalar_type());
   const auto rank = static_cast<int64_t>(e.shape.size());
   VLMGEN_CHECK(out.defined() && out.device().is_cpu() && out.is_contiguous() && out.dim() == rank,
                "safetensors file '{}': reading '{}' ({}-d) needs a contiguous CPU tensor of {} dims to read into",
                path_, name, rank, rank);
+  check_fp8_as_bytes(e, path_, name, out.scalar_type());
   const int64_t d = checked_narrow(e, name, dim, start, 0);  // the dim, checked
   checked_narrow(e, name, d, start, out.size(d));
   std::vector<int64_t> want = e.shape;

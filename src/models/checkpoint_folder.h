@@ -48,8 +48,9 @@ inline at::Tensor read_shard(const SafetensorsCheckpoint& checkpoint, const std:
   VLMGEN_FAIL("unknown shard layout of tensor {}", name);
 }
 
-/// read_shard written into `out` (contiguous CPU, the slice's shape; its dtype is the one read
-/// as): no tensor is allocated on the way but for the stacked layout.
+/// read_shard of a tensor of 1 or more dims written into `out` (contiguous CPU, the slice's
+/// shape, checked; its dtype is the one read as): nothing is allocated on the way but for the
+/// stacked layout, which reads the slice and copies it (shapes must then match exactly).
 inline void read_shard_into(const SafetensorsCheckpoint& checkpoint, const std::string& name,
                             const std::vector<int64_t>& full_shape, qwen_vl::ShardLayout layout, int64_t rank,
                             int64_t tp, at::Tensor& out) {
@@ -57,9 +58,13 @@ inline void read_shard_into(const SafetensorsCheckpoint& checkpoint, const std::
     case qwen_vl::ShardLayout::kReplicated: return checkpoint.narrow_into(name, 0, 0, out);
     case qwen_vl::ShardLayout::kRows: return checkpoint.narrow_into(name, 0, rank * (full_shape[0] / tp), out);
     case qwen_vl::ShardLayout::kColumns: return checkpoint.narrow_into(name, 1, rank * (full_shape[1] / tp), out);
-    case qwen_vl::ShardLayout::kStackedRows:
-      out.copy_(read_shard(checkpoint, name, full_shape, layout, rank, tp, out.scalar_type()));
+    case qwen_vl::ShardLayout::kStackedRows: {
+      const at::Tensor slice = read_shard(checkpoint, name, full_shape, layout, rank, tp, out.scalar_type());
+      VLMGEN_CHECK(slice.sizes() == out.sizes(), "tensor {}: this rank's slice is {}, not the {} to read it into", name,
+                   slice.sizes(), out.sizes());
+      out.copy_(slice);
       return;
+    }
   }
   VLMGEN_FAIL("unknown shard layout of tensor {}", name);
 }

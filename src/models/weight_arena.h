@@ -42,6 +42,8 @@ class WeightArena {
   void finish();
   /// Bytes placed so far.
   int64_t used() const { return used_; }
+  /// Whether allocate() can still place tensors in the mapping.
+  bool active() const { return mapping_ != nullptr && used_ < capacity_; }
 
  private:
   struct Mapping;
@@ -85,7 +87,7 @@ class StreamedWeights {
   }
   /// `t` (read some other way for `target`) moved into the arena when target is streamed.
   at::Tensor place(const at::Tensor* target, const at::Tensor& t) {
-    return holds(target) && t.device().is_cpu() ? arena_.place(t) : t;
+    return holds(target) && t.device().is_cpu() && arena_.active() ? arena_.place(t) : t;
   }
   /// After the last read: the unused address space goes back.
   void finish() { arena_.finish(); }

@@ -86,13 +86,17 @@ void expect_packed(std::vector<at::Tensor> tensors) {
         << "tensor " << i << " of " << tensors.size() << ": not right after the one before";
   }
   const Vma vma = vma_of(tensors[0].data_ptr());
-  EXPECT_LE(at(tensors.back()) + tensors.back().nbytes(), vma.end);
+  const uintptr_t end = at(tensors.back()) + tensors.back().nbytes();
+  EXPECT_LE(end, vma.end);
+  EXPECT_LE(vma.end, (end + kTwoMiB - 1) / kTwoMiB * kTwoMiB) << "the reserved room past the last page is given back";
   if (thp_allowed() && vma.thp_eligible != -1) EXPECT_EQ(vma.thp_eligible, 1);
 }
 
 TEST(HugePages, QwenDecodeWeightsLoadIntoOneMappingWithTheSameValues) {
   ScratchDir scratch;
-  const QwenVlConfig config = test_config();
+  QwenVlConfig config = test_config();
+  config.intermediate_size = 8192;  // 12.6 MB of float32 weights: several 2 MiB pages, and as bf16
+                                    // half the room reserved for them is left to give back
   Qwen2Vl model(config, 9);
   model.save_checkpoint(scratch.dir("a"));
   const VisionInputs vision = make_vision(config, {{1, 4, 4}}, 71);
@@ -107,6 +111,13 @@ TEST(HugePages, QwenDecodeWeightsLoadIntoOneMappingWithTheSameValues) {
   const std::vector<at::Tensor> plain = streamed(kept->language_model());
   for (size_t i = 0; i < weights.size(); ++i) EXPECT_TRUE(weights[i].equal(plain[i])) << i;
   EXPECT_NE(vma_of(plain[0].data_ptr()).start, vma_of(weights[0].data_ptr()).start);
+  LoadOptions bf16;
+  bf16.weights_dtype = at::kBFloat16;
+  auto half = Qwen2Vl::from_checkpoint(scratch.dir("a"), ParallelContext::single(), bf16);
+  const std::vector<at::Tensor> half_weights = streamed(half->language_model());
+  EXPECT_EQ(half_weights[0].scalar_type(), at::kBFloat16);
+  expect_packed(half_weights);
+  for (size_t i = 0; i < weights.size(); ++i) EXPECT_TRUE(half_weights[i].equal(plain[i].to(at::kBFloat16))) << i;
   const at::Tensor want = full_forward(model, batch, vision);
   EXPECT_TRUE(full_forward(*moved, batch, vision).equal(want));
   EXPECT_TRUE(full_forward(*kept, batch, vision).equal(want));

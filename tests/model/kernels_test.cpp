@@ -107,9 +107,12 @@ TEST(CpuKernels, Fp8LinearAndWideningMatchTheFormatDefinitionOnEveryPathAndScale
   // Blocks of 32 x 32 and 128 x 128 (partial edges; tiles of 4 outputs inside one row block: the
   // input is scaled), blocks of 2 x 16 (tiles across row blocks: each weight vector is scaled),
   // per output channel and per tensor (one column block: each sum is scaled once); 2 x 64 and
-  // 16 x 128 with widths that end in a vector and a scalar tail past the last whole block.
+  // 16 x 128 with widths that end in a vector and a scalar tail past the last whole block; 4 x 128
+  // and 2 x 128 over 216 columns, where the vectors after the whole cache lines start inside a
+  // scale block (the input scaled, and the weights).
   for (Case c : {Case{70, 96, 32, 32}, Case{130, 200, 128, 128}, Case{22, 64, 2, 16}, Case{13, 37, 1, 37},
-                 Case{64, 768, 64, 768}, Case{22, 216, 2, 64}, Case{40, 152, 16, 128}}) {
+                 Case{64, 768, 64, 768}, Case{22, 216, 2, 64}, Case{40, 152, 16, 128}, Case{20, 216, 4, 128},
+                 Case{22, 216, 2, 128}}) {
     for (bool e5m2 : {false, true}) {
       auto [bytes, q] = random_fp8(c.out, c.in, c.block_out, c.block_in, e5m2);
       at::Tensor w = fp8_reference(bytes, q);
