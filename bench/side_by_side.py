@@ -7,9 +7,9 @@ markdown table of medians over interleaved rounds (per-round values in --json).
 
 Steps:
   1. BUILD/bench/vlmgen-bench --write-checkpoint SCRATCH/bench100m (f32, seed 1: the weights
-     vlmgen-bench --speed builds in memory); GGUFs f32, f16, q8_0 of it (bench/gguf_writer.py);
-     an FP8 copy SCRATCH/bench100m-fp8 (BUILD/tools/vlmgen-quantize, hf-block, the embedding
-     left unquantized) for the fp8 memory figure.
+     vlmgen-bench --speed loads); GGUFs f32, f16, q8_0 of it (bench/gguf_writer.py);
+     an FP8 copy SCRATCH/bench100m-fp8 (BUILD/tools/vlmgen-quantize --quantize-lm-head, hf-block,
+     the embedding left unquantized) for the fp8 memory figure.
   2. Greedy check: vlmgen (Python bindings, BUILD/python) against llama.cpp on the f32 GGUF
      (bench/llama_cpp_check.py; f32 KV cache, flash attention off). A mismatch fails the script.
   3. Per round (the order of the engines alternates between rounds): vlmgen-bench --speed
@@ -309,7 +309,8 @@ def side_by_side(args, build, bench, quantize, llama_dir, scratch):
     ckpt_fp8 = os.path.join(scratch, "bench100m-fp8")
     say(f"writing the FP8 copy {ckpt_fp8}")
     shutil.rmtree(ckpt_fp8, ignore_errors=True)  # vlmgen-quantize wants a new or empty folder
-    rc, _, err = run([quantize, "--in", ckpt, "--out", ckpt_fp8, "--quiet"], "vlmgen-quantize", check=False)
+    rc, _, err = run([quantize, "--in", ckpt, "--out", ckpt_fp8, "--quantize-lm-head", "--quiet"], "vlmgen-quantize",
+                     check=False)
     if rc != 0:
         notes.append(f"vlmgen-quantize failed (exit status {rc}): no fp8 memory figure; "
                      + " | ".join(err.strip().splitlines()[-2:]))
@@ -427,7 +428,7 @@ def side_by_side(args, build, bench, quantize, llama_dir, scratch):
     print(f"- greedy tokens ({args.greedy_new}, f32, f32 KV cache, flash attention off): {verdict}")
     print("- ratio: vlmgen / llama.cpp for ms and MB, llama.cpp / vlmgen for tokens/s: < 1 means vlmgen is "
           "faster or smaller")
-    print("- vlmgen fp8: decoder linears E4M3 with a scale per 128x128 block, embedding and lm_head not FP8; "
+    print("- vlmgen fp8: decoder linears and lm_head E4M3 with a scale per 128x128 block, embedding bf16; "
           "llama.cpp q8_0: every matrix (embedding and output included) int8 with an f16 scale per 32 weights")
     print("- memory: peak RSS after a 512-token prompt and 9 decode steps, one process per engine and dtype; "
           "vlmgen's weights include the vision tower (the checkpoint's), llama.cpp's GGUF is the LM only and "

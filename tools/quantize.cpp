@@ -1,7 +1,7 @@
 // Writes an FP8 copy of an F32/F16/BF16 checkpoint folder: the language model's linear weights
 // as E4M3 with scales from their own absolute maximum (amax / 448), per 128 x 128 block (HF
 // fine-grained FP8, as the official Qwen3-VL FP8 releases) or per tensor (ModelOpt FP8). The
-// vision tower, norms, biases, the embedding and lm_head stay as they are.
+// vision tower, norms, biases, the embedding and lm_head stay as they are unless asked.
 //
 //   vlmgen-quantize --in DIR --out DIR [--format hf-block|modelopt] [--block 128 128]
 
@@ -21,7 +21,7 @@ int main(int argc, char** argv) {
   CLI::App app("FP8 (E4M3) copy of a checkpoint folder, in the HF fine-grained or ModelOpt format");
   std::string in, out, format = "hf-block";
   std::vector<int64_t> block = {128, 128};
-  bool embedding = false, quiet = false, no_check = false;
+  bool embedding = false, lm_head = false, quiet = false, no_check = false;
   app.add_option("--in", in, "checkpoint folder to read (config.json + *.safetensors)")->required();
   app.add_option("--out", out, "folder to write (new, or empty)")->required();
   app.add_option("--format", format,
@@ -30,6 +30,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--block", block, "block rows and columns of hf-block")->expected(2)->capture_default_str();
   app.add_flag("--quantize-embedding", embedding, "quantize the token embedding too");
+  app.add_flag("--quantize-lm-head", lm_head,
+               "quantize the output head too (an untied one; vlmgen's fp8 mode then reads it as bytes)");
   app.add_flag("--no-check", no_check, "do not load the written checkpoint back");
   app.add_flag("--quiet", quiet, "no progress output");
   CLI11_PARSE(app, argc, argv);
@@ -38,6 +40,7 @@ int main(int argc, char** argv) {
     options.format = format == "modelopt" ? vlmgen::QuantFormat::kModelOpt : vlmgen::QuantFormat::kHfFineGrained;
     options.block = {block[0], block[1]};
     options.quantize_embedding = embedding;
+    options.quantize_lm_head = lm_head;
     if (!quiet) {
       options.progress = [](size_t i, size_t n, const std::string& name, bool quantized) {
         const int width = 30;

@@ -71,7 +71,8 @@ std::vector<std::string> excluded_modules(const std::vector<std::string>& names,
   // The module prefixes of those parts as this checkpoint spells them (visual. or model.visual.,
   // model.embed_tokens or model.language_model.embed_tokens): full prefixes match under every
   // rule readers use (substring, start-anchored or wildcard).
-  std::vector<std::string> excluded = {"lm_head"};
+  std::vector<std::string> excluded;
+  if (!options.quantize_lm_head) excluded.push_back("lm_head");
   auto add_prefix = [&](const std::string& prefix) {
     for (const std::string& name : names) {
       if (name.rfind(prefix + ".", 0) == 0 || name == prefix + ".weight") {
@@ -114,7 +115,7 @@ QuantizeReport quantize_checkpoint(const std::string& in_dir, const std::string&
   VLMGEN_CHECK(!fs::exists(out, ec) || (fs::is_directory(out, ec) && fs::is_empty(out, ec)),
                "output folder {} exists and is not empty; give a new folder (or remove it)", out_dir);
 
-  // What stays in its dtype: the vision tower, the output head, the embedding unless asked;
+  // What stays in its dtype: the vision tower, the output head and the embedding unless asked;
   // written as the format's own exclusion patterns, so a loader (vlmgen's or another) agrees.
   SafetensorsCheckpoint checkpoint(in_dir);
   const std::vector<std::string> names = checkpoint.names();

@@ -163,10 +163,15 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
     // 16-bit checkpoint); everything else in float32.
     const at::ScalarType dtype = is_lm_matrix(weights[i].name, *target) ? options.weights_dtype : at::kFloat;
     if (entry.fp8 && options.keep_fp8) {
-      qwen_vl::Linear* linear = model->decoder_linear(weights[i].name);
+      qwen_vl::Linear head;  // a quantized output head: its bytes and scales, read like a linear's
+      qwen_vl::Linear* linear = weights[i].name == "lm_head.weight" ? &head : model->decoder_linear(weights[i].name);
       if (linear != nullptr &&
           read_fp8_bytes(checkpoint, sources[i], *entry.fp8, quantization, dir, weights[i].layout, rank, tp, *linear)) {
         linear->weight = streamed.place(target, linear->weight);  // 1 byte a weight
+        if (linear == &head) {
+          model->lm_.lm_head = head.weight;
+          model->lm_.lm_head_fp8 = head.fp8;
+        }
         checkpoint.release(sources[i]);
         ++fp8_kept;
         continue;
@@ -207,6 +212,8 @@ void QwenVl::save_checkpoint(const std::string& dir) const {
     const qwen_vl::Linear* linear = const_cast<QwenVl*>(this)->decoder_linear(slot.name);
     if (linear != nullptr && linear->fp8.defined())  // written dequantized: the file gets no scales
       local = kernels::widen_on(kernels::active_isa(), local, linear->fp8);
+    if (slot.tensor == &lm_.lm_head && lm_.lm_head_fp8.defined())
+      local = kernels::widen_on(kernels::active_isa(), local, lm_.lm_head_fp8);
     at::Tensor full = tp_comm_ == nullptr ? local : detail::gather_shard(local, slot.layout, *tp_comm_);
     tensors.emplace(slot.name, full.to(at::kCPU).contiguous());
   }

@@ -213,7 +213,9 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
   }
   x = whole(detail::apply_rms_norm(x, lm_.norm, c.rms_norm_eps));
   // [B, S or 1, vocab] (vocab / tp under TP), float32
-  if (one) return {kernels::linear(segments[0].last_column_only ? x.narrow(1, s - 1, 1) : x, lm_.lm_head)};
+  if (one)
+    return {
+        kernels::linear(segments[0].last_column_only ? x.narrow(1, s - 1, 1) : x, lm_.lm_head, {}, lm_.lm_head_fp8)};
   // The output layer once over the columns the segments want (the last of each row, or all):
   // a decode step's one-column windows want every row of the stream.
   std::vector<int64_t> wanted;
@@ -228,7 +230,7 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
   at::Tensor rows = x.select(0, 0);
   if (static_cast<int64_t>(wanted.size()) < s)
     rows = rows.index_select(0, at::tensor(wanted, at::kLong).to(x.device(), at::kLong, /*non_blocking=*/true));
-  const at::Tensor logits = kernels::linear(rows.unsqueeze(0), lm_.lm_head).squeeze(0);
+  const at::Tensor logits = kernels::linear(rows.unsqueeze(0), lm_.lm_head, {}, lm_.lm_head_fp8).squeeze(0);
   std::vector<at::Tensor> out;
   int64_t first = 0;
   for (const LmSegment& g : segments) {

@@ -29,7 +29,7 @@ bool QwenVl::keeps_fp8() const {
     for (const qwen_vl::Linear* linear :
          {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj})
       if (linear->fp8.defined()) return true;
-  return false;
+  return lm_.lm_head_fp8.defined();
 }
 
 qwen_vl::Linear* QwenVl::decoder_linear(const std::string& name) {

@@ -603,6 +603,44 @@ TEST_P(Fp8CheckpointTest, QuantizerScalesAreAmaxOver448AndErrorsStayWithinHalfAS
   }
 }
 
+// An output head quantized on request is read as bytes too and computes as its dequantized
+// weights do; written back, it is the dequantized head.
+TEST_P(Fp8CheckpointTest, AQuantizedOutputHeadIsKeptAsBytesAndComputesAsItsDequantizedWeights) {
+  QuantizeOptions options;
+  options.quantize_lm_head = true;
+  quantize_checkpoint(dir("f32"), dir("head"), options);
+  SafetensorsCheckpoint q(dir("head"));
+  ASSERT_TRUE(q.entry("lm_head.weight").fp8.has_value());
+  const Variant v{"HF blocks of 128 with the head",
+                  QuantFormat::kHfFineGrained,
+                  ScaleGranularity::kPerBlock,
+                  {128, 128},
+                  "",
+                  "weight_scale_inv"};
+  write_reference(dir("head"), v, dir("head-reference"));
+  LoadOptions keep;
+  keep.keep_fp8 = true;
+  std::unique_ptr<QwenVl> bytes = QwenVl::from_checkpoint(dir("head"), ParallelContext::single(), keep);
+  EXPECT_EQ(bytes->language_model().lm_head.scalar_type(), at::kByte);
+  EXPECT_TRUE(bytes->language_model().lm_head_fp8.defined());
+  EXPECT_TRUE(bytes->keeps_fp8());
+  std::unique_ptr<QwenVl> reference = QwenVl::from_checkpoint(dir("head-reference"));
+  const Batch text = left_pad({{1, 2, 3, 4, 5, 6, 7}, {8, 9}});
+  const at::Tensor want = full_forward(*reference, text, VisionInputs());
+  const at::Tensor got = full_forward(*bytes, text, VisionInputs());
+  EXPECT_LE((got - want).abs().max().item<double>() / want.abs().max().item<double>(), 1e-5);
+  // Without the head quantized the logits differ by more than the bound above.
+  std::unique_ptr<QwenVl> plain_head = QwenVl::from_checkpoint(dir("head-reference"));
+  plain_head->language_model().lm_head = model_.language_model().lm_head.clone();
+  EXPECT_GT((full_forward(*plain_head, text, VisionInputs()) - want).abs().max().item<double>() /
+                want.abs().max().item<double>(),
+            1e-4);
+  bytes->save_checkpoint(dir("head-saved"));
+  EXPECT_TRUE(SafetensorsCheckpoint(dir("head-saved"))
+                  .tensor("lm_head.weight")
+                  .equal(SafetensorsCheckpoint(dir("head-reference")).tensor("lm_head.weight")));
+}
+
 TEST_P(Fp8CheckpointTest, BadFp8CheckpointsAreErrorsNamingTheTensor) {
   Variant hf = variants()[0];
   make(hf, dir("good"));

@@ -94,6 +94,10 @@ struct QuantizeOptions {
   std::array<int64_t, 2> block = {128, 128};
   /// Quantize the token embedding too (it stays in its dtype by default).
   bool quantize_embedding = false;
+  /// Quantize the output head too (it stays in its dtype by default, as the official FP8
+  /// releases keep it; a tied head is stored nowhere and stays the embedding). vlmgen's fp8 mode
+  /// then reads it as bytes too: a decode step's largest single read halves against bf16.
+  bool quantize_lm_head = false;
   /// Called after each tensor: (index from 1, count, name, quantized or copied).
   std::function<void(size_t, size_t, const std::string&, bool)> progress;
 };
@@ -110,7 +114,7 @@ struct QuantizeReport {
 /// folder): the 2-D linear
 /// weights of the language model as E4M3 with scales from their own absolute maximum
 /// (scale = amax / 448 per block or per tensor; an all-zero block gets scale 1), everything
-/// else (vision tower, norms, biases, the embedding unless asked, lm_head) in its dtype. A
+/// else (vision tower, norms, biases, the embedding and lm_head unless asked) in its dtype. A
 /// tied lm_head (stored nowhere) is left alone. config.json gets the format's
 /// quantization_config (ModelOpt: hf_quant_config.json too); the folder's other files
 /// (tokenizer, preprocessor and chat settings) are copied.

@@ -88,6 +88,7 @@ struct LanguageModel {
   std::vector<DecoderLayer> layers;  // num_hidden_layers
   at::Tensor norm;                   // [hidden], float32 (final RMSNorm)
   at::Tensor lm_head;                // [vocab, hidden], like embed_tokens; the same tensor as embed_tokens when tied
+  kernels::Fp8Scales lm_head_fp8;    // defined when lm_head holds FP8 bytes (keep_fp8, a quantized head)
 };
 
 }  // namespace qwen_vl
