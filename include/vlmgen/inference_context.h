@@ -134,6 +134,16 @@ class InferenceContext {
     return {keys_[layer].narrow(2, 0, length_ + s), values_[layer].narrow(2, 0, length_ + s)};
   }
 
+  /// Model side, for kernels that write the window in place instead of calling append_kv: the
+  /// whole K and V storage of `layer`, [batch, kv_heads, capacity, head_dim] views. Columns
+  /// [0, length) hold the committed keys and values; a forward call of S columns writes its own
+  /// at [length, length + S) (check_room(S) first), as append_kv would.
+  std::pair<at::Tensor, at::Tensor> layer_storage(int64_t layer) const {
+    VLMGEN_CHECK(layer >= 0 && layer < spec_.num_layers, "layer {} is out of range for a cache of {} layers", layer,
+                 spec_.num_layers);
+    return {keys_[layer], values_[layer]};
+  }
+
   /// Keys and values of the committed columns of `layer`, [batch, kv_heads, length, head_dim].
   std::pair<at::Tensor, at::Tensor> kv(int64_t layer) const {
     VLMGEN_CHECK(layer >= 0 && layer < spec_.num_layers, "layer {} is out of range for a cache of {} layers", layer,

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "raw_kernels.h"
+#include "kernels_internal.h"
 #include "vlmgen/detail/tensor_utils.h"
 #include "vlmgen/error.h"
 #include "vlmgen/kernels/cpu.h"
@@ -51,6 +51,10 @@ bool cpu_reports(Isa isa) {
 #endif
 }
 
+}  // namespace
+
+namespace internal {
+
 /// cpu_reports, asked once per path: CPUID traps to the hypervisor in a virtual machine (about
 /// 7% of a bf16 decode step's time when every linear asked it).
 bool cpu_has(Isa isa) {
@@ -66,6 +70,12 @@ bool needs_grad(std::initializer_list<const at::Tensor*> tensors) {
     if (t->defined() && t->requires_grad()) return true;
   return false;
 }
+
+}  // namespace internal
+
+namespace {
+using internal::cpu_has;
+using internal::needs_grad;
 
 const char* isa_setting() {
   const char* cap = std::getenv("VLMGEN_CPU_ISA");
@@ -107,23 +117,25 @@ raw::WeightType weight_type(const at::Tensor& w, const Fp8Scales& fp8) {
   }
 }
 
-/// The scale grid of FP8 weight `w` [out, in], checked against its shape, as a contiguous
-/// float32 tensor (undefined without FP8).
-at::Tensor checked_fp8_grid(const at::Tensor& w, const Fp8Scales& fp8) {
+}  // namespace
+
+at::Tensor internal::checked_fp8_grid(const at::Tensor& w, const Fp8Scales& fp8) {
   if (!fp8.defined()) return {};
   const int64_t out = w.size(0), in = w.size(1);
   VLMGEN_CHECK(fp8.block_out >= 1 && fp8.block_in >= 1 && (fp8.block_in % 16 == 0 || fp8.block_in >= in),
                "kernels: FP8 scale blocks must be >= 1 and the input block a multiple of 16 or the whole row, got {} x "
                "{} for weight {}",
                fp8.block_out, fp8.block_in, detail::shape_str(w));
-  const std::vector<int64_t> want = {(out + fp8.block_out - 1) / fp8.block_out, (in + fp8.block_in - 1) / fp8.block_in};
-  VLMGEN_CHECK(fp8.grid.dim() == 2 && fp8.grid.sizes().vec() == want && fp8.grid.scalar_type() == at::kFloat &&
-                   fp8.grid.device().is_cpu(),
+  const int64_t want[] = {(out + fp8.block_out - 1) / fp8.block_out, (in + fp8.block_in - 1) / fp8.block_in};
+  VLMGEN_CHECK(fp8.grid.dim() == 2 && fp8.grid.size(0) == want[0] && fp8.grid.size(1) == want[1] &&
+                   fp8.grid.scalar_type() == at::kFloat && fp8.grid.device().is_cpu(),
                "kernels: the FP8 scale grid of weight {} in blocks of {} x {} must be float32 [{}, {}], got {} {}",
                detail::shape_str(w), fp8.block_out, fp8.block_in, want[0], want[1],
                at::toString(fp8.grid.scalar_type()), detail::shape_str(fp8.grid));
   return fp8.grid.contiguous();
 }
+
+namespace {
 
 raw::Fp8Scales raw_scales(const at::Tensor& grid, const Fp8Scales& fp8) {
   raw::Fp8Scales r;
@@ -152,7 +164,9 @@ void run_widen(Isa isa, const raw::WidenArgs& a, int64_t begin, int64_t end) {
   }
 }
 
-void run_attention(Isa isa, const raw::HeadGroupAttention& a) {
+}  // namespace
+
+void internal::run_attention(Isa isa, const raw::HeadGroupAttention& a) {
   switch (isa) {
     case Isa::kAvx512: return raw::attention_avx512(a);
     case Isa::kAvx2: return raw::attention_avx2(a);
@@ -160,13 +174,35 @@ void run_attention(Isa isa, const raw::HeadGroupAttention& a) {
   }
 }
 
-bool kernel_fits(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const Fp8Scales& fp8) {
-  return x.device().is_cpu() && weight.device().is_cpu() && x.scalar_type() == at::kFloat && weight.dim() == 2 &&
-         weight.is_contiguous() && weight_dtype_ok(weight, fp8) &&
+bool internal::weight_fits(const at::Tensor& weight, const at::Tensor& bias, const Fp8Scales& fp8) {
+  return weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous() && weight_dtype_ok(weight, fp8) &&
          (!bias.defined() || (bias.scalar_type() == at::kFloat && bias.device().is_cpu()));
 }
 
-}  // namespace
+bool internal::kernel_fits(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                           const Fp8Scales& fp8) {
+  return x.device().is_cpu() && x.scalar_type() == at::kFloat && weight_fits(weight, bias, fp8);
+}
+
+void internal::linear_rows(Isa isa, const float* x, int64_t ldx, int64_t rows, const at::Tensor& weight,
+                           const float* bias, const at::Tensor& grid, const Fp8Scales& fp8, float* y, int64_t ldy) {
+  const int64_t out_features = weight.size(0), in = weight.size(1);
+  if (rows <= 0 || out_features <= 0) return;
+  const raw::RowsLinear a{x,    ldx, rows, weight.data_ptr(), weight_type(weight, fp8), in,
+                          bias, y,   ldy,  out_features,      raw_scales(grid, fp8)};
+  // About 64 KiB of weights per task, in whole output tiles of 4.
+  const int64_t row_bytes = std::max<int64_t>(1, in * static_cast<int64_t>(weight.element_size()));
+  const int64_t grain = std::max<int64_t>(4, (65536 / row_bytes + 3) / 4 * 4);
+  at::parallel_for(0, out_features, grain, [&](int64_t begin, int64_t end) {
+    raw::RowsLinear part = a;
+    part.out_end = end;
+    run_rows_linear(isa, part, begin, end);
+  });
+}
+
+using internal::checked_fp8_grid;
+using internal::kernel_fits;
+using internal::run_attention;
 
 const char* isa_name(Isa isa) {
   switch (isa) {
@@ -213,30 +249,11 @@ at::Tensor linear_on(Isa isa, const at::Tensor& x, const at::Tensor& weight, con
                "kernels::linear: bias {} must be [{}]", detail::shape_str(bias), out_features);
   const at::Tensor grid = checked_fp8_grid(weight, fp8);
   const int64_t rows = in == 0 ? 0 : x.numel() / in;
-  at::Tensor flat = x.reshape({rows, in}).contiguous();
-  at::Tensor b = bias.defined() ? bias.contiguous() : bias;
+  const at::Tensor flat = x.reshape({rows, in}).contiguous();
+  const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
   at::Tensor y = at::empty({rows, out_features}, x.options());
-  raw::RowsLinear a{flat.data_ptr<float>(),
-                    in,
-                    rows,
-                    weight.data_ptr(),
-                    weight_type(weight, fp8),
-                    in,
-                    b.defined() ? b.data_ptr<float>() : nullptr,
-                    y.data_ptr<float>(),
-                    out_features,
-                    out_features,
-                    raw_scales(grid, fp8)};
-  if (rows > 0 && out_features > 0) {
-    // About 64 KiB of weights per task, in whole output tiles of 4.
-    const int64_t row_bytes = std::max<int64_t>(1, in * static_cast<int64_t>(weight.element_size()));
-    const int64_t grain = std::max<int64_t>(4, (65536 / row_bytes + 3) / 4 * 4);
-    at::parallel_for(0, out_features, grain, [&](int64_t begin, int64_t end) {
-      raw::RowsLinear part = a;
-      part.out_end = end;
-      run_rows_linear(isa, part, begin, end);
-    });
-  }
+  internal::linear_rows(isa, flat.data_ptr<float>(), in, rows, weight, b.defined() ? b.data_ptr<float>() : nullptr,
+                        grid, fp8, y.data_ptr<float>(), out_features);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = out_features;
   return y.view(shape);
@@ -412,20 +429,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, d
   const float* wp = w.data_ptr<float>();
   float* out = y.data_ptr<float>();
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    constexpr int kLanes = 8;  // independent partial sums: the loop vectorizes and pipelines
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = in + r * d;
-      float part[kLanes] = {};
-      int64_t i = 0;
-      for (; i + kLanes <= d; i += kLanes)
-        for (int l = 0; l < kLanes; ++l) part[l] += xr[i + l] * xr[i + l];
-      float squares = 0;
-      for (; i < d; ++i) squares += xr[i] * xr[i];
-      for (float p : part) squares += p;
-      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(d) + epsilon);
-      float* yr = out + r * d;
-      for (int64_t j = 0; j < d; ++j) yr[j] = xr[j] * inv * (wp[j] + offset);
-    }
+    internal::rms_norm_rows(in + begin * d, end - begin, d, wp, epsilon, offset, out + begin * d);
   });
   return y;
 }
@@ -447,7 +451,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   const at::Tensor xs = x.stride(-1) == 1 ? x : x.contiguous();
   const at::Tensor c = cos.contiguous().expand(x.sizes()), sn = sin.contiguous().expand(x.sizes());
   at::Tensor y = at::empty(x.sizes(), x.options());
-  const int64_t d = x.size(-1), half = d / 2, dims = x.dim();
+  const int64_t d = x.size(-1), dims = x.dim();
   const int64_t rows = d == 0 ? 0 : x.numel() / d;
   const float* xp = xs.data_ptr<float>();
   const float* cp = c.data_ptr<float>();
@@ -463,21 +467,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
         co += at_i * c.stride(i);
         so += at_i * sn.stride(i);
       }
-      const float* xr = xp + xo;
-      const float* cr = cp + co;
-      const float* sr = sp + so;
-      float* yr = yp + r * d;
-      // Two products rounded, then their sum, as x * cos + rotate_half(x) * sin computes them.
-      for (int64_t j = 0; j < half; ++j) {
-        const float a = xr[j] * cr[j];
-        const float b = -xr[j + half] * sr[j];
-        yr[j] = a + b;
-      }
-      for (int64_t j = half; j < d; ++j) {
-        const float a = xr[j] * cr[j];
-        const float b = xr[j - half] * sr[j];
-        yr[j] = a + b;
-      }
+      internal::rotary_row(xp + xo, cp + co, sp + so, d, yp + r * d);
     }
   });
   return y;

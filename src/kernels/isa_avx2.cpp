@@ -4,6 +4,7 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
+#include "attention_impl.h"
 #include "kernels_impl.h"
 
 namespace vlmgen::kernels::raw {
@@ -46,6 +47,9 @@ struct Avx2 {
     const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(exp_reduced<Avx2>(r), _mm256_castsi256_ps(exponent));
   }
+  static V neg_abs(V v) { return _mm256_or_ps(v, _mm256_set1_ps(-0.0f)); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V select_negative(V c, V a, V b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(c, zero(), _CMP_LT_OQ)); }
 };
 
 }  // namespace
@@ -53,6 +57,7 @@ struct Avx2 {
 void rows_linear_avx2(const RowsLinear& a, int64_t o_begin, int64_t o_end) { rows_linear<Avx2>(a, o_begin, o_end); }
 void attention_avx2(const HeadGroupAttention& a) { attention<Avx2>(a); }
 void widen_avx2(const WidenArgs& a, int64_t begin, int64_t end) { widen<Avx2>(a, begin, end); }
+void silu_mul_avx2(const float* gate, const float* up, float* y, int64_t n) { silu_mul<Avx2>(gate, up, y, n); }
 
 bool avx2_compiled() { return true; }
 
@@ -64,6 +69,7 @@ namespace vlmgen::kernels::raw {
 void rows_linear_avx2(const RowsLinear& a, int64_t o_begin, int64_t o_end) { rows_linear_portable(a, o_begin, o_end); }
 void attention_avx2(const HeadGroupAttention& a) { attention_portable(a); }
 void widen_avx2(const WidenArgs& a, int64_t begin, int64_t end) { widen_portable(a, begin, end); }
+void silu_mul_avx2(const float* gate, const float* up, float* y, int64_t n) { silu_mul_portable(gate, up, y, n); }
 bool avx2_compiled() { return false; }
 }  // namespace vlmgen::kernels::raw
 #endif

@@ -5,6 +5,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
 
+#include "attention_impl.h"
 #include "kernels_impl.h"
 
 namespace vlmgen::kernels::raw {
@@ -86,6 +87,14 @@ struct Avx512 {
     const V r = _mm512_fnmadd_ps(n, set1(kLn2Low), _mm512_fnmadd_ps(n, set1(kLn2High), x));
     return _mm512_scalef_ps(exp_reduced<Avx512>(r), n);
   }
+  static V neg_abs(V v) {
+    return _mm512_castsi512_ps(
+        _mm512_or_si512(_mm512_castps_si512(v), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
+  }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V select_negative(V c, V a, V b) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, zero(), _CMP_LT_OQ), b, a);
+  }
 };
 
 }  // namespace
@@ -93,6 +102,7 @@ struct Avx512 {
 void rows_linear_avx512(const RowsLinear& a, int64_t o_begin, int64_t o_end) { rows_linear<Avx512>(a, o_begin, o_end); }
 void attention_avx512(const HeadGroupAttention& a) { attention<Avx512>(a); }
 void widen_avx512(const WidenArgs& a, int64_t begin, int64_t end) { widen<Avx512>(a, begin, end); }
+void silu_mul_avx512(const float* gate, const float* up, float* y, int64_t n) { silu_mul<Avx512>(gate, up, y, n); }
 
 bool avx512_compiled() { return true; }
 
@@ -106,6 +116,7 @@ void rows_linear_avx512(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
 }
 void attention_avx512(const HeadGroupAttention& a) { attention_portable(a); }
 void widen_avx512(const WidenArgs& a, int64_t begin, int64_t end) { widen_portable(a, begin, end); }
+void silu_mul_avx512(const float* gate, const float* up, float* y, int64_t n) { silu_mul_portable(gate, up, y, n); }
 bool avx512_compiled() { return false; }
 }  // namespace vlmgen::kernels::raw
 #endif

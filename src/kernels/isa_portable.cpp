@@ -2,6 +2,7 @@
 // instruction set): the path for CPUs without AVX2 and the reference the other paths are
 // compared with.
 
+#include "attention_impl.h"
 #include "kernels_impl.h"
 
 namespace vlmgen::kernels::raw {
@@ -62,6 +63,18 @@ struct Portable {
     for (float& x : v.lane) x = expf(x < kExpLowest ? kExpLowest : x);
     return v;
   }
+  static V neg_abs(V v) {
+    for (float& x : v.lane) x = -fabsf(x);
+    return v;
+  }
+  static V div(V a, V b) {
+    for (int i = 0; i < 8; ++i) a.lane[i] /= b.lane[i];
+    return a;
+  }
+  static V select_negative(V c, V a, V b) {
+    for (int i = 0; i < 8; ++i) b.lane[i] = c.lane[i] < 0 ? a.lane[i] : b.lane[i];
+    return b;
+  }
 };
 
 }  // namespace
@@ -71,5 +84,6 @@ void rows_linear_portable(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
 }
 void attention_portable(const HeadGroupAttention& a) { attention<Portable>(a); }
 void widen_portable(const WidenArgs& a, int64_t begin, int64_t end) { widen<Portable>(a, begin, end); }
+void silu_mul_portable(const float* gate, const float* up, float* y, int64_t n) { silu_mul<Portable>(gate, up, y, n); }
 
 }  // namespace vlmgen::kernels::raw

@@ -2,7 +2,7 @@
 
 // The kernels on raw pointers, one set per instruction set. The files that define them are
 // compiled with their instruction set enabled and include nothing but this header, the
-// intrinsics and kernels_impl.h, so no inline function of another library is ever compiled there
+// intrinsics, kernels_impl.h and attention_impl.h, so no inline function of another library is ever compiled there
 // with instructions the running CPU may lack.
 
 #include <cstdint>
@@ -80,6 +80,11 @@ void rows_linear_avx512(const RowsLinear& a, int64_t o_begin, int64_t o_end);
 void widen_portable(const WidenArgs& a, int64_t begin, int64_t end);
 void widen_avx2(const WidenArgs& a, int64_t begin, int64_t end);
 void widen_avx512(const WidenArgs& a, int64_t begin, int64_t end);
+
+/// y = silu(gate) * up over n floats (y may alias either input).
+void silu_mul_portable(const float* gate, const float* up, float* y, int64_t n);
+void silu_mul_avx2(const float* gate, const float* up, float* y, int64_t n);
+void silu_mul_avx512(const float* gate, const float* up, float* y, int64_t n);
 
 void attention_portable(const HeadGroupAttention& a);
 void attention_avx2(const HeadGroupAttention& a);

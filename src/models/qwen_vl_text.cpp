@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "fused_decode.h"
 #include "qwen_vl_ops.h"
 #include "vlmgen/inference_context.h"
 #include "vlmgen/kernels/cpu.h"
@@ -190,7 +191,17 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
     }
   }
 
-  for (size_t layer = 0; layer < lm_.layers.size(); ++layer) {
+  // A decode step (one new column per row over a KV cache) on the CPU: the fused layers.
+  std::vector<detail::FusedDecodeRows> fused;
+  for (size_t i = 0; i < segments.size() && comm == nullptr && !deepstack.defined(); ++i) {
+    const LmSegment& g = segments[i];
+    if (g.cols != 1 || g.context == nullptr) break;
+    fused.push_back(detail::FusedDecodeRows{g.context, offsets[i], g.rows, windows[i].key_real});
+  }
+  const bool run_fused = fused.size() == segments.size() && detail::fused_decode_fits(lm_, c, x, fused);
+  if (run_fused) x = detail::fused_decode_layers(lm_, c, x, cos, sin, fused).view(x.sizes());
+
+  for (size_t layer = 0; layer < lm_.layers.size() && !run_fused; ++layer) {
     const qwen_vl::DecoderLayer& w = lm_.layers[layer];
     at::Tensor h = whole(detail::apply_rms_norm(x, w.input_layernorm, c.rms_norm_eps));
     at::Tensor q = detail::apply_linear(h, w.q_proj).view({b, s, heads, head_dim});
@@ -207,7 +218,7 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
     x = x + reduce(attention(static_cast<int64_t>(layer), q, k, v), w.o_proj);
 
     h = whole(detail::apply_rms_norm(x, w.post_attention_layernorm, c.rms_norm_eps));
-    at::Tensor gated = at::silu(detail::apply_linear(h, w.gate_proj)) * detail::apply_linear(h, w.up_proj);
+    at::Tensor gated = kernels::silu_mul(detail::apply_linear(h, w.gate_proj), detail::apply_linear(h, w.up_proj));
     x = x + reduce(gated, w.down_proj);
     if (layer < deepstack_add.size()) x = x + deepstack_add[layer];
   }

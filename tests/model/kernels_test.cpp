@@ -341,5 +341,44 @@ TEST(CpuKernels, RotaryMatchesFloat64OnTheLayoutsTheModelsUse) {
   EXPECT_TRUE(x2.grad().defined());
 }
 
+TEST(CpuKernels, SiluMulMatchesFloat64OnEveryPathWithoutOverflowAndWhereverTheRangeIsSplit) {
+  at::manual_seed(13);
+  // Lengths with and without a partial last vector; gates from -120 to 120 (e^-g overflows float
+  // for g < -88: the kernel never forms it), zeros of both signs, tiny and huge magnitudes.
+  for (int64_t n : {1, 7, 16, 37, 4096 + 5}) {
+    at::Tensor gate = at::randn({n}) * 6;
+    at::Tensor up = at::randn({n});
+    const std::vector<float> edges = {-120.0f, -88.5f, -20.0f, -0.0f, 0.0f, 1e-30f, -1e-30f, 20.0f, 120.0f};
+    for (size_t i = 0; i < edges.size() && static_cast<int64_t>(i) < n; ++i) gate[static_cast<int64_t>(i)] = edges[i];
+    const at::Tensor g = gate.to(at::kDouble), u = up.to(at::kDouble);
+    const at::Tensor want = g / (1 + (-g).exp()) * u;
+    for (Isa isa : kernels::supported_isas()) {
+      SCOPED_TRACE(testing::Message() << kernels::isa_name(isa) << " n " << n);
+      const at::Tensor got = kernels::silu_mul_on(isa, gate, up);
+      ASSERT_EQ(got.sizes(), gate.sizes());
+      ASSERT_FALSE(got.isnan().any().item<bool>());
+      // Each output is a few float32 roundings of its own magnitude (measured up to 6e-8); below
+      // g = -87 the exponential stops at e^-87, and silu's magnitude under 1.5e-36 is off by as much.
+      EXPECT_LT(relative_error(got, want, want.abs() + 1e-28), 3e-7);
+      // An element's result does not depend on where the range is split (the fused decode step
+      // runs the whole row, silu_mul splits it over threads).
+      if (n > 16) {
+        const at::Tensor head = kernels::silu_mul_on(isa, gate.narrow(0, 0, 5), up.narrow(0, 0, 5));
+        const at::Tensor rest = kernels::silu_mul_on(isa, gate.narrow(0, 5, n - 5), up.narrow(0, 5, n - 5));
+        EXPECT_TRUE(at::equal(at::cat({head, rest}), got));
+      }
+    }
+  }
+  // Other dtypes, mismatched shapes and a recorded graph go through ATen (silu(gate) * up).
+  at::Tensor g64 = at::randn({5}, at::kDouble), u64 = at::randn({5}, at::kDouble);
+  EXPECT_TRUE(at::allclose(kernels::silu_mul(g64, u64), at::silu(g64) * u64));
+  at::Tensor gg = at::randn({4}).requires_grad_();
+  at::Tensor y = kernels::silu_mul(gg, at::randn({4}));
+  ASSERT_TRUE(y.requires_grad());
+  y.sum().backward();
+  EXPECT_TRUE(gg.grad().defined());
+  EXPECT_THROW(kernels::silu_mul_on(kernels::supported_isas().front(), at::randn({4}), at::randn({5})), Error);
+}
+
 }  // namespace
 }  // namespace vlmgen

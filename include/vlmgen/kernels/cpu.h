@@ -6,6 +6,9 @@
 // Each has an AVX-512, an AVX2 (+FMA, F16C) and a portable path, chosen at run time from what the
 // CPU supports; VLMGEN_CPU_ISA=portable|avx2|avx512 caps the choice, and VLMGEN_CPU_ISA=aten
 // turns the kernels off (every product and attention through ATen, for comparisons).
+// A decode step of the Qwen-family decoders on the CPU runs its layers fused (one pass over
+// buffers of its own, no tensor per operation) on these kernels; VLMGEN_FUSED_DECODE=0 runs the
+// same kernels op by op instead (the results are the same bit for bit).
 //
 //   at::Tensor y = vlmgen::kernels::linear(x, weight, bias);   // like at::linear, any row count
 //
@@ -85,6 +88,14 @@ at::Tensor decode_attention_on(Isa isa, const at::Tensor& q, const at::Tensor& k
 /// pass per row (float accumulation, like ATen's); anything else, calls autograd would record, and
 /// VLMGEN_CPU_ISA=aten go through ATen's ops with the same formula.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double weight_offset = 0);
+
+/// SwiGLU's gated product silu(gate) * up = gate * sigmoid(gate) * up, elementwise. Float32 CPU
+/// tensors of one shape run on the kernels (the sigmoid from e^-|gate|, within 1e-6 relative of
+/// float64); anything else, calls autograd would record, and VLMGEN_CPU_ISA=aten compute
+/// at::silu(gate) * up.
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
+/// The same on a given path (float32 CPU tensors of one shape).
+at::Tensor silu_mul_on(Isa isa, const at::Tensor& gate, const at::Tensor& up);
 
 /// Rotary embedding in HF's rotate_half convention: x * cos + rotate_half(x) * sin, where
 /// rotate_half maps the last dimension's halves (x1, x2) to (-x2, x1). cos and sin have x's rank

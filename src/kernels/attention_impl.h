@@ -1,0 +1,194 @@
+#pragma once
+
+// The kernels that are not matrix products, over the same `Vec` as kernels_impl.h (see there):
+// exp, the gated activation and decode attention. Included only by the instruction-set files,
+// before their Vec (whose exp() uses exp_reduced and the constants here); like kernels_impl.h it
+// uses no inline function of another header.
+
+#include <math.h>
+#include <stdint.h>
+
+#include "raw_kernels.h"
+
+namespace vlmgen::kernels::raw {
+namespace {
+
+/// e^r for |r| <= ln(2) / 2 by its Taylor polynomial of degree 7 (error below 1e-8 relative):
+/// the part of exp() after the range reduction e^x = 2^n e^r.
+template <class Vec>
+typename Vec::V exp_reduced(typename Vec::V r) {
+  const float coefficients[] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+  typename Vec::V p = Vec::set1(1.0f / 5040.0f);
+  for (float c : coefficients) p = Vec::fma(p, r, Vec::set1(c));
+  return p;
+}
+
+/// y = silu(g) * u = g * sigmoid(g) * u over n floats, the sigmoid from e = e^-|g| (Vec::exp of a
+/// non-positive argument): 1 / (1 + e) for g >= 0, e / (1 + e) below, so no e^x overflows. The
+/// last partial vector goes through a padded copy: an element's result never depends on where
+/// a caller splits the range.
+template <class Vec>
+void silu_mul(const float* g, const float* u, float* y, int64_t n) {
+  using V = typename Vec::V;
+  constexpr int64_t L = Vec::kLanes;
+  const V one = Vec::set1(1.0f);
+  auto gated = [&](const float* gp, const float* up, float* yp) {
+    const V gv = Vec::load(gp);
+    const V e = Vec::exp(Vec::neg_abs(gv));
+    const V sigmoid = Vec::div(Vec::select_negative(gv, e, one), Vec::fma(e, one, one));
+    Vec::store(yp, Vec::fma(Vec::fma(gv, sigmoid, Vec::zero()), Vec::load(up), Vec::zero()));
+  };
+  int64_t i = 0;
+  for (; i + L <= n; i += L) gated(g + i, u + i, y + i);
+  if (i == n) return;
+  float gt[L] = {}, ut[L] = {}, yt[L];
+  for (int64_t k = i; k < n; ++k) gt[k - i] = g[k], ut[k - i] = u[k];
+  gated(gt, ut, yt);
+  for (int64_t k = i; k < n; ++k) y[k] = yt[k - i];
+}
+
+/// ln 2 = kLn2High + kLn2Low, kLn2High with few mantissa bits so n * kLn2High is exact.
+constexpr float kLn2High = 0.693359375f;
+constexpr float kLn2Low = -2.12194440e-4f;
+constexpr float kLog2E = 1.44269504088896341f;
+/// Below this e^x is under the smallest normal float; inputs are clamped to it.
+constexpr float kExpLowest = -87.0f;
+
+template <class Vec>
+float dot(const float* a, const float* b, int64_t n) {
+  constexpr int64_t L = Vec::kLanes;
+  typename Vec::V acc = Vec::zero();
+  int64_t i = 0;
+  for (; i + L <= n; i += L) acc = Vec::fma(Vec::load(a + i), Vec::load(b + i), acc);
+  float s = Vec::sum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+/// y += alpha * x over n floats.
+template <class Vec>
+void axpy(float alpha, const float* x, float* y, int64_t n) {
+  constexpr int64_t L = Vec::kLanes;
+  const typename Vec::V al = Vec::set1(alpha);
+  int64_t i = 0;
+  for (; i + L <= n; i += L) Vec::store(y + i, Vec::fma(al, Vec::load(x + i), Vec::load(y + i)));
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+/// out(g, s) for g in [g0, g0 + gn) and columns [d0, d0 + DN * L) of the value rows: the sum over
+/// visible keys j of p(g, j) * v_j, the GC x DN partial sums kept in registers while the value
+/// rows stream by once.
+template <class Vec, int DN, int GC>
+void value_chunk(const HeadGroupAttention& a, const float* p, int64_t s, int64_t limit, int64_t g0, int64_t gn,
+                 int64_t d0) {
+  using V = typename Vec::V;
+  constexpr int64_t L = Vec::kLanes;
+  V acc[GC][DN];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < DN; ++c) acc[g][c] = Vec::zero();
+  for (int64_t j = 0; j < limit; ++j) {
+    if (a.key_real[j] == 0) continue;
+    const float* vj = a.v + j * a.kv_row_stride + d0;
+    V vv[DN];
+    for (int c = 0; c < DN; ++c) vv[c] = Vec::load(vj + c * L);
+    for (int g = 0; g < GC; ++g) {
+      if (g >= gn) break;
+      const V w = Vec::set1(p[(g0 + g) * a.keys + j]);
+      for (int c = 0; c < DN; ++c) acc[g][c] = Vec::fma(w, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GC && g < gn; ++g)
+    for (int c = 0; c < DN; ++c) Vec::store(a.out + (g0 + g) * a.q_head_stride + s * a.dim + d0 + c * L, acc[g][c]);
+}
+
+/// The value pass of column s over every head of the group: register-blocked chunks of the
+/// vector-aligned columns, axpy for any columns past them.
+template <class Vec>
+void value_pass(const HeadGroupAttention& a, const float* p, int64_t s, int64_t limit) {
+  constexpr int64_t L = Vec::kLanes;
+  const int64_t aligned = a.dim - a.dim % L;
+  int64_t d0 = 0;
+  for (; d0 + 4 * L <= aligned; d0 += 4 * L)
+    for (int64_t g0 = 0; g0 < a.groups; g0 += 3) value_chunk<Vec, 4, 3>(a, p, s, limit, g0, a.groups - g0, d0);
+  for (; d0 + L <= aligned; d0 += L)
+    for (int64_t g0 = 0; g0 < a.groups; g0 += 8) value_chunk<Vec, 1, 8>(a, p, s, limit, g0, a.groups - g0, d0);
+  if (aligned == a.dim) return;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    float* out = a.out + g * a.q_head_stride + s * a.dim;
+    for (int64_t j = 0; j < limit; ++j) {
+      if (a.key_real[j] == 0) continue;
+      const float w = p[g * a.keys + j];
+      const float* vj = a.v + j * a.kv_row_stride;
+      for (int64_t d = aligned; d < a.dim; ++d) out[d] += w * vj[d];
+    }
+  }
+}
+
+/// sc[j] = e^(sc[j] - top) / total over j < limit, 0 for keys that are not real.
+template <class Vec>
+void softmax_row(float* sc, const uint8_t* real, int64_t limit, bool all_real) {
+  constexpr int64_t L = Vec::kLanes;
+  float top = -INFINITY;
+  for (int64_t j = 0; j < limit; ++j)
+    if (real[j] != 0 && sc[j] > top) top = sc[j];
+  const typename Vec::V shift = Vec::set1(-top);
+  const typename Vec::V one = Vec::set1(1.0f);
+  typename Vec::V sums = Vec::zero();
+  int64_t j = 0;
+  for (; j + L <= limit; j += L) {
+    const typename Vec::V e = Vec::exp(Vec::fma(Vec::load(sc + j), one, shift));
+    Vec::store(sc + j, e);
+    sums = Vec::fma(e, one, sums);
+  }
+  float total = Vec::sum(sums);
+  for (; j < limit; ++j) {
+    sc[j] = expf(sc[j] - top);
+    total += sc[j];
+  }
+  if (!all_real) {  // masked keys hold stale scores: take their terms back out
+    for (int64_t k = 0; k < limit; ++k) {
+      if (real[k] == 0) {
+        total -= sc[k];
+        sc[k] = 0.0f;
+      }
+    }
+  }
+  const float inv = 1.0f / total;
+  const typename Vec::V scale = Vec::set1(inv);
+  j = 0;
+  for (; j + L <= limit; j += L) Vec::store(sc + j, Vec::fma(Vec::load(sc + j), scale, Vec::zero()));
+  for (; j < limit; ++j) sc[j] *= inv;
+}
+
+/// One pass over the visible keys for all `groups` query heads of a column (scores, softmax),
+/// then one pass over their values. `scores` holds groups * keys floats.
+template <class Vec>
+void attention(const HeadGroupAttention& a) {
+  const int64_t dim = a.dim;
+  for (int64_t s = 0; s < a.columns; ++s) {
+    const int64_t limit = a.first_query_key + s + 1 < a.keys ? a.first_query_key + s + 1 : a.keys;
+    int64_t real_keys = 0;
+    for (int64_t j = 0; j < limit; ++j) real_keys += a.key_real[j] != 0 ? 1 : 0;
+    for (int64_t g = 0; g < a.groups; ++g)
+      __builtin_memset(a.out + g * a.q_head_stride + s * dim, 0, dim * sizeof(float));
+    if (real_keys == 0) {  // every key blocked: the uniform average of all values
+      const float w = a.keys > 0 ? 1.0f / static_cast<float>(a.keys) : 0.0f;
+      for (int64_t j = 0; j < a.keys; ++j)
+        for (int64_t g = 0; g < a.groups; ++g)
+          axpy<Vec>(w, a.v + j * a.kv_row_stride, a.out + g * a.q_head_stride + s * dim, dim);
+      continue;
+    }
+    for (int64_t j = 0; j < limit; ++j) {
+      const float* key = a.k + j * a.kv_row_stride;
+      for (int64_t g = 0; g < a.groups; ++g)
+        a.scores[g * a.keys + j] =
+            a.key_real[j] != 0 ? dot<Vec>(a.q + g * a.q_head_stride + s * dim, key, dim) * a.scale : -INFINITY;
+    }
+    for (int64_t g = 0; g < a.groups; ++g)
+      softmax_row<Vec>(a.scores + g * a.keys, a.key_real, limit, real_keys == limit);
+    value_pass<Vec>(a, a.scores, s, limit);
+  }
+}
+
+}  // namespace
+}  // namespace vlmgen::kernels::raw

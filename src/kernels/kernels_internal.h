@@ -1,0 +1,68 @@
+#pragma once
+
+// The kernels on buffers the caller owns (private to src/): what kernels::linear, rms_norm,
+// rotary and decode_attention run after their checks, and what the fused CPU decode step
+// (src/models/fused_decode.cpp) calls directly, so that a decode step makes no tensor per
+// operation. Same arithmetic either way: a fused step and an op-by-op step agree bit for bit
+// where they share a function here.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <initializer_list>
+
+#include "raw_kernels.h"
+#include "vlmgen/kernels/cpu.h"
+
+namespace vlmgen::kernels::internal {
+
+/// The CPU reports the path's instructions and this build compiled them (asked once per path).
+bool cpu_has(Isa isa);
+/// True when autograd would record an operation on any of `tensors`.
+bool needs_grad(std::initializer_list<const at::Tensor*> tensors);
+/// What linear() sends to the kernels: float32 x, a contiguous 2-D float32/bfloat16/float16 CPU
+/// weight (or uint8 FP8 bytes with scales), a float32 CPU bias or none.
+bool kernel_fits(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const Fp8Scales& fp8);
+/// kernel_fits for the weight, bias and scales alone.
+bool weight_fits(const at::Tensor& weight, const at::Tensor& bias, const Fp8Scales& fp8);
+/// The scale grid of FP8 weight `w`, checked against its shape (a vlmgen::Error naming both
+/// otherwise), contiguous; undefined without FP8.
+at::Tensor checked_fp8_grid(const at::Tensor& w, const Fp8Scales& fp8);
+
+/// y[r * ldy + o] = x[r * ldx + :] . weight[o, :] (+ bias[o]) for r < rows, on the ATen threads.
+/// `grid` is checked_fp8_grid(weight, fp8); the weight passed kernel_fits.
+void linear_rows(Isa isa, const float* x, int64_t ldx, int64_t rows, const at::Tensor& weight, const float* bias,
+                 const at::Tensor& grid, const Fp8Scales& fp8, float* y, int64_t ldy);
+
+/// RMSNorm of `rows` rows of d floats: y = x / sqrt(mean(x^2) + eps) * (w + offset); y may be x.
+void rms_norm_rows(const float* x, int64_t rows, int64_t d, const float* w, float eps, float offset, float* y);
+
+/// HF's rotate_half rotary of one row of d floats: y = x * cos + rotate_half(x) * sin, each
+/// product rounded, then the sum (as ATen's ops compute it). y must not overlap x.
+void rotary_row(const float* x, const float* cos, const float* sin, int64_t d, float* y);
+
+/// y = silu(gate) * up over n floats (y may be gate or up).
+void silu_mul(Isa isa, const float* gate, const float* up, float* y, int64_t n);
+
+/// One query column per batch row over a KV cache laid out [row, kv_head, key, dim]: for each of
+/// `rows` rows and kv_heads KV heads, the `heads / kv_heads` query heads of the group attend over
+/// keys [0, keys) of that row (key_real[row * keys + j] nonzero: a real key; query sees keys
+/// j <= first_query_key). q and out are [rows, heads, dim]. On the ATen threads.
+struct CacheAttention {
+  const float* q;
+  float* out;
+  int64_t rows, heads, kv_heads, dim;
+  const float* k;  // key j of (row, head) at k + row * row_stride + head * head_stride + j * dim
+  const float* v;  // likewise
+  int64_t row_stride, head_stride;
+  const uint8_t* key_real;
+  int64_t keys;
+  int64_t first_query_key;
+  float scale;
+};
+void attend_cache(Isa isa, const CacheAttention& a);
+
+/// One (batch row, KV head) group on the chosen path.
+void run_attention(Isa isa, const raw::HeadGroupAttention& a);
+
+}  // namespace vlmgen::kernels::internal

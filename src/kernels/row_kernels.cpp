@@ -1,0 +1,113 @@
+// The row kernels of kernels_internal.h that are not a matrix product: RMSNorm, rotary, the
+// gated activation and attention over a KV cache laid out by rows.
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernels_internal.h"
+#include "vlmgen/detail/tensor_utils.h"
+#include "vlmgen/error.h"
+
+namespace vlmgen::kernels {
+
+at::Tensor silu_mul_on(Isa isa, const at::Tensor& gate, const at::Tensor& up) {
+  VLMGEN_CHECK(internal::cpu_has(isa), "kernels::silu_mul: this CPU cannot run the {} path", isa_name(isa));
+  VLMGEN_CHECK(gate.device().is_cpu() && up.device().is_cpu() && gate.scalar_type() == at::kFloat &&
+                   up.scalar_type() == at::kFloat && gate.sizes() == up.sizes() && !internal::needs_grad({&gate, &up}),
+               "kernels::silu_mul: float32 CPU gate and up of one shape that autograd does not record, got {} {} and "
+               "{} {}",
+               at::toString(gate.scalar_type()), detail::shape_str(gate), at::toString(up.scalar_type()),
+               detail::shape_str(up));
+  const at::Tensor g = gate.contiguous(), u = up.contiguous();
+  at::Tensor y = at::empty(g.sizes(), g.options());
+  const int64_t n = g.numel();
+  const float* gp = g.data_ptr<float>();
+  const float* upp = u.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+    internal::silu_mul(isa, gp + begin, upp + begin, yp + begin, end - begin);
+  });
+  return y;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  const bool fits = enabled() && gate.device().is_cpu() && up.device().is_cpu() && gate.scalar_type() == at::kFloat &&
+                    up.scalar_type() == at::kFloat && gate.sizes() == up.sizes() && !internal::needs_grad({&gate, &up});
+  if (!fits) return at::silu(gate) * up;
+  return silu_mul_on(active_isa(), gate, up);
+}
+
+}  // namespace vlmgen::kernels
+
+namespace vlmgen::kernels::internal {
+
+void rms_norm_rows(const float* x, int64_t rows, int64_t d, const float* w, float eps, float offset, float* y) {
+  constexpr int kLanes = 8;  // independent partial sums: the loop vectorizes and pipelines
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * d;
+    float part[kLanes] = {};
+    int64_t i = 0;
+    for (; i + kLanes <= d; i += kLanes)
+      for (int l = 0; l < kLanes; ++l) part[l] += xr[i + l] * xr[i + l];
+    float squares = 0;
+    for (; i < d; ++i) squares += xr[i] * xr[i];
+    for (float p : part) squares += p;
+    const float inv = 1.0f / std::sqrt(squares / static_cast<float>(d) + eps);
+    float* yr = y + r * d;
+    for (int64_t j = 0; j < d; ++j) yr[j] = xr[j] * inv * (w[j] + offset);
+  }
+}
+
+void rotary_row(const float* x, const float* cos, const float* sin, int64_t d, float* y) {
+  const int64_t half = d / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = x[j] * cos[j];
+    const float b = -x[j + half] * sin[j];
+    y[j] = a + b;
+  }
+  for (int64_t j = half; j < d; ++j) {
+    const float a = x[j] * cos[j];
+    const float b = x[j - half] * sin[j];
+    y[j] = a + b;
+  }
+}
+
+void silu_mul(Isa isa, const float* gate, const float* up, float* y, int64_t n) {
+  switch (isa) {
+    case Isa::kAvx512: return raw::silu_mul_avx512(gate, up, y, n);
+    case Isa::kAvx2: return raw::silu_mul_avx2(gate, up, y, n);
+    case Isa::kPortable: return raw::silu_mul_portable(gate, up, y, n);
+  }
+}
+
+void attend_cache(Isa isa, const CacheAttention& a) {
+  const int64_t groups = a.heads / a.kv_heads;
+  at::parallel_for(0, a.rows * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(static_cast<size_t>(std::max<int64_t>(1, groups * a.keys)));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / a.kv_heads, head = task % a.kv_heads;
+      const int64_t q_offset = (row * a.heads + head * groups) * a.dim;
+      const raw::HeadGroupAttention h{a.q + q_offset,
+                                      a.dim,
+                                      a.k + row * a.row_stride + head * a.head_stride,
+                                      a.v + row * a.row_stride + head * a.head_stride,
+                                      a.dim,
+                                      a.key_real + row * a.keys,
+                                      a.keys,
+                                      groups,
+                                      /*columns=*/1,
+                                      a.first_query_key,
+                                      a.dim,
+                                      a.scale,
+                                      a.out + q_offset,
+                                      scratch.data()};
+      run_attention(isa, h);
+    }
+  });
+}
+
+}  // namespace vlmgen::kernels::internal

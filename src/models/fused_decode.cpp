@@ -1,0 +1,174 @@
+// The fused CPU decode step of the Qwen-family decoder (see fused_decode.h).
+
+#include "fused_decode.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "../kernels/kernels_internal.h"
+#include "vlmgen/kernels/cpu.h"
+
+namespace vlmgen::detail {
+namespace {
+
+namespace ki = kernels::internal;
+
+bool linear_fits(const qwen_vl::Linear& l, int64_t out, int64_t in, int64_t rows) {
+  const at::Tensor& w = l.weight;
+  return w.defined() && w.dim() == 2 && w.size(0) == out && w.size(1) == in &&
+         rows <= kernels::max_fast_rows(w.scalar_type()) && ki::weight_fits(w, l.bias, l.fp8) &&
+         !ki::needs_grad({&w, &l.bias}) && (!l.bias.defined() || (l.bias.is_contiguous() && l.bias.numel() == out)) &&
+         (ki::checked_fp8_grid(w, l.fp8), true);  // a malformed scale grid throws before any cache write
+}
+
+bool norm_fits(const at::Tensor& w, int64_t d) {
+  return w.defined() && w.dim() == 1 && w.size(0) == d && w.scalar_type() == at::kFloat && w.device().is_cpu() &&
+         w.is_contiguous() && !ki::needs_grad({&w});
+}
+
+/// One linear of the step: y [rows, out] = x [rows, in] W^T (+ bias).
+void run_linear(kernels::Isa isa, const qwen_vl::Linear& l, const float* x, int64_t rows, float* y) {
+  const at::Tensor grid = ki::checked_fp8_grid(l.weight, l.fp8);
+  ki::linear_rows(isa, x, l.weight.size(1), rows, l.weight, l.bias.defined() ? l.bias.data_ptr<float>() : nullptr, grid,
+                  l.fp8, y, l.weight.size(0));
+}
+
+/// The step's working rows: every intermediate of one layer, reused by the next.
+struct Buffers {
+  std::vector<float> h, q, k, v, rotated, attended, out, gate, up;
+  void size(int64_t t, int64_t hidden, int64_t q_width, int64_t kv_width, int64_t inter) {
+    auto fit = [](std::vector<float>& b, int64_t n) { b.resize(static_cast<size_t>(n)); };
+    fit(h, t * hidden);
+    fit(q, t * q_width);
+    fit(k, t * kv_width);
+    fit(v, t * kv_width);
+    fit(rotated, t * q_width);
+    fit(attended, t * q_width);
+    fit(out, t * hidden);
+    fit(gate, t * inter);
+    fit(up, t * inter);
+  }
+};
+
+void add_rows(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+}  // namespace
+
+bool fused_decode_fits(const qwen_vl::LanguageModel& lm, const QwenVlConfig& c, const at::Tensor& hidden,
+                       const std::vector<FusedDecodeRows>& requests) {
+  const char* setting = std::getenv("VLMGEN_FUSED_DECODE");  // "0": op by op (read per step, for comparisons)
+  if (setting != nullptr && std::strcmp(setting, "0") == 0) return false;
+  if (!kernels::enabled() || !hidden.device().is_cpu() || hidden.scalar_type() != at::kFloat || requests.empty() ||
+      ki::needs_grad({&hidden}) || c.head_dim % 2 != 0)
+    return false;
+  const int64_t hs = c.hidden_size, d = c.head_dim, heads = c.num_attention_heads, kv = c.num_key_value_heads;
+  if (hidden.dim() < 1 || hidden.size(-1) != hs || kv < 1 || heads % kv != 0) return false;
+  const int64_t t = hidden.numel() / hs;
+  int64_t next_row = 0;
+  for (const FusedDecodeRows& r : requests) {
+    const InferenceContext* ctx = r.context;
+    if (ctx == nullptr || r.first_row != next_row || r.rows != ctx->batch_size() || ctx->spec().dtype != at::kFloat ||
+        !ctx->device().is_cpu() || ctx->spec().num_layers != static_cast<int64_t>(lm.layers.size()) ||
+        ctx->spec().num_kv_heads != kv || ctx->spec().head_dim != d || ctx->length() + 1 > ctx->capacity() ||
+        r.key_real.dim() != 2 || r.key_real.size(0) != r.rows || r.key_real.size(1) != ctx->length() + 1 ||
+        r.key_real.element_size() != 1 || !r.key_real.device().is_cpu())
+      return false;
+    next_row += r.rows;
+  }
+  if (next_row != t) return false;
+  for (const FusedDecodeRows& r : requests) {  // the layout fused_decode_layers writes into
+    const at::Tensor keys = r.context->layer_storage(0).first;
+    if (keys.stride(3) != 1 || keys.stride(2) != d || r.context->layer_storage(0).second.strides() != keys.strides())
+      return false;
+  }
+  for (const qwen_vl::DecoderLayer& w : lm.layers) {
+    if (!norm_fits(w.input_layernorm, hs) || !norm_fits(w.post_attention_layernorm, hs) ||
+        !linear_fits(w.q_proj, heads * d, hs, t) || !linear_fits(w.k_proj, kv * d, hs, t) ||
+        !linear_fits(w.v_proj, kv * d, hs, t) || !linear_fits(w.o_proj, hs, heads * d, t) ||
+        !linear_fits(w.gate_proj, c.intermediate_size, hs, t) || !linear_fits(w.up_proj, c.intermediate_size, hs, t) ||
+        !linear_fits(w.down_proj, hs, c.intermediate_size, t) || w.q_norm.defined() != w.k_norm.defined() ||
+        (w.q_norm.defined() && (!norm_fits(w.q_norm, d) || !norm_fits(w.k_norm, d))))
+      return false;
+  }
+  return true;
+}
+
+at::Tensor fused_decode_layers(const qwen_vl::LanguageModel& lm, const QwenVlConfig& c, const at::Tensor& hidden,
+                               const at::Tensor& cos, const at::Tensor& sin,
+                               const std::vector<FusedDecodeRows>& requests) {
+  const kernels::Isa isa = kernels::active_isa();
+  const int64_t hs = c.hidden_size, d = c.head_dim, heads = c.num_attention_heads, kv = c.num_key_value_heads;
+  const int64_t inter = c.intermediate_size, t = hidden.numel() / hs;
+  const float eps = static_cast<float>(c.rms_norm_eps), scale = static_cast<float>(1.0 / std::sqrt(double(d)));
+  at::Tensor x = hidden.reshape({t, hs}).clone(at::MemoryFormat::Contiguous);
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  thread_local Buffers b;
+  b.size(t, hs, heads * d, kv * d, inter);
+  std::vector<at::Tensor> key_real;
+  for (const FusedDecodeRows& r : requests) key_real.push_back(r.key_real.contiguous());
+
+  for (size_t layer = 0; layer < lm.layers.size(); ++layer) {
+    const qwen_vl::DecoderLayer& w = lm.layers[layer];
+    ki::rms_norm_rows(xp, t, hs, w.input_layernorm.data_ptr<float>(), eps, 0.0f, b.h.data());
+    run_linear(isa, w.q_proj, b.h.data(), t, b.q.data());
+    run_linear(isa, w.k_proj, b.h.data(), t, b.k.data());
+    run_linear(isa, w.v_proj, b.h.data(), t, b.v.data());
+    if (w.q_norm.defined()) {  // Qwen3: RMSNorm over each head before the rotary
+      ki::rms_norm_rows(b.q.data(), t * heads, d, w.q_norm.data_ptr<float>(), eps, 0.0f, b.q.data());
+      ki::rms_norm_rows(b.k.data(), t * kv, d, w.k_norm.data_ptr<float>(), eps, 0.0f, b.k.data());
+    }
+    for (int64_t row = 0; row < t; ++row)
+      for (int64_t head = 0; head < heads; ++head)
+        ki::rotary_row(b.q.data() + (row * heads + head) * d, cp + row * d, sp + row * d, d,
+                       b.rotated.data() + (row * heads + head) * d);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const FusedDecodeRows& r = requests[i];
+      auto [keys, values] = r.context->layer_storage(static_cast<int64_t>(layer));
+      const int64_t column = r.context->length();
+      float* kp = keys.data_ptr<float>();
+      float* vp = values.data_ptr<float>();
+      for (int64_t row = 0; row < r.rows; ++row) {
+        const int64_t at_row = r.first_row + row;
+        for (int64_t head = 0; head < kv; ++head) {
+          const int64_t slot = row * keys.stride(0) + head * keys.stride(1) + column * d;
+          ki::rotary_row(b.k.data() + (at_row * kv + head) * d, cp + at_row * d, sp + at_row * d, d, kp + slot);
+          std::memcpy(vp + slot, b.v.data() + (at_row * kv + head) * d, static_cast<size_t>(d) * sizeof(float));
+        }
+      }
+      const ki::CacheAttention a{b.rotated.data() + r.first_row * heads * d,
+                                 b.attended.data() + r.first_row * heads * d,
+                                 r.rows,
+                                 heads,
+                                 kv,
+                                 d,
+                                 kp,
+                                 vp,
+                                 keys.stride(0),
+                                 keys.stride(1),
+                                 static_cast<const uint8_t*>(key_real[i].data_ptr()),
+                                 column + 1,
+                                 column,
+                                 scale};
+      ki::attend_cache(isa, a);
+    }
+    run_linear(isa, w.o_proj, b.attended.data(), t, b.out.data());
+    add_rows(xp, b.out.data(), t * hs);
+    ki::rms_norm_rows(xp, t, hs, w.post_attention_layernorm.data_ptr<float>(), eps, 0.0f, b.h.data());
+    run_linear(isa, w.gate_proj, b.h.data(), t, b.gate.data());
+    run_linear(isa, w.up_proj, b.h.data(), t, b.up.data());
+    ki::silu_mul(isa, b.gate.data(), b.up.data(), b.gate.data(), t * inter);
+    run_linear(isa, w.down_proj, b.gate.data(), t, b.out.data());
+    add_rows(xp, b.out.data(), t * hs);
+  }
+  return x;
+}
+
+}  // namespace vlmgen::detail

@@ -1,0 +1,239 @@
+// The fused CPU decode step of the Qwen-family decoders against the same layers run op by op
+// (VLMGEN_FUSED_DECODE=0): logits and KV caches equal bit for bit in each family, with float32,
+// bfloat16 and FP8 weights, a ragged batch with an image, and the engine's several requests in
+// one step; and the fused step does run: its ATen calls do not grow with the layer count.
+
+#include <ATen/record_function.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <atomic>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "qwen_test_util.h"
+#include "vlmgen/generator.h"
+#include "vlmgen/inference_context.h"
+#include "vlmgen/models/load_model.h"
+#include "vlmgen/models/quantization.h"
+#include "vlmgen/models/qwen_vl.h"
+#include "vlmgen/testing/forward_spy.h"
+
+namespace vlmgen {
+namespace {
+
+using namespace qwen_test;  // NOLINT(google-build-using-namespace)
+
+/// Sets VLMGEN_FUSED_DECODE for its lifetime (the model reads it at every step).
+class FusedDecodeSetting {
+ public:
+  explicit FusedDecodeSetting(const char* value) {
+    const char* before = std::getenv(kName);
+    if (before != nullptr) before_ = before;
+    setenv(kName, value, 1);
+  }
+  ~FusedDecodeSetting() {
+    if (before_) {
+      setenv(kName, before_->c_str(), 1);
+    } else {
+      unsetenv(kName);
+    }
+  }
+
+ private:
+  static constexpr const char* kName = "VLMGEN_FUSED_DECODE";
+  std::optional<std::string> before_;
+};
+
+/// What a generation leaves: the logits of every call and the KV cache it filled.
+struct Run {
+  std::vector<at::Tensor> logits;
+  std::vector<at::Tensor> keys, values;  // per layer, the committed columns
+  std::vector<std::vector<int64_t>> tokens;
+};
+
+/// Greedy generation over a ragged batch with an image in its first row, into a context of the
+/// caller's (so its K/V can be compared).
+Run generate(QwenVl& model, bool fused) {
+  const QwenVlConfig& c = model.config();
+  std::optional<FusedDecodeSetting> setting;
+  if (!fused) setting.emplace("0");
+  const std::vector<std::vector<int64_t>> prompts = {image_prompt({1, 2}, 4, {3, 4, 5}), {6, 7, 8}, {9, 10, 11, 12}};
+  const VisionInputs vision = make_vision(c, {{1, 4, 4}}, 21);
+  auto context = InferenceContext::allocate(model.traits().kv_cache, 3, 32);
+  testing::ForwardSpy spy(model);
+  spy.record_tensors(true);
+  GenerationResult result = Generator(spy).generate(make_request(prompts, vision, context.get()),
+                                                    GenerationConfig().max_new_tokens(7).enable_kv_cache(true));
+  Run run;
+  for (const auto& call : spy.calls()) run.logits.push_back(call.logits);
+  for (int64_t layer = 0; layer < context->num_layers(); ++layer) {
+    auto [k, v] = context->kv(layer);
+    run.keys.push_back(k.clone());
+    run.values.push_back(v.clone());
+  }
+  for (const auto& row : result.sequences) run.tokens.push_back(row.tokens);
+  return run;
+}
+
+void expect_identical(const Run& fused, const Run& op_by_op, const std::string& what) {
+  SCOPED_TRACE(what);
+  ASSERT_EQ(fused.logits.size(), op_by_op.logits.size());
+  ASSERT_GE(fused.logits.size(), 7u);  // the prefill and six decode steps
+  for (size_t i = 0; i < fused.logits.size(); ++i)
+    EXPECT_TRUE(at::equal(fused.logits[i], op_by_op.logits[i]))
+        << "call " << i << ": max |diff| " << max_abs_diff(fused.logits[i], op_by_op.logits[i]);
+  for (size_t layer = 0; layer < fused.keys.size(); ++layer) {
+    EXPECT_TRUE(at::equal(fused.keys[layer], op_by_op.keys[layer])) << "keys of layer " << layer;
+    EXPECT_TRUE(at::equal(fused.values[layer], op_by_op.values[layer])) << "values of layer " << layer;
+  }
+  EXPECT_EQ(fused.tokens, op_by_op.tokens);
+}
+
+class FusedDecodeTest : public ::testing::TestWithParam<QwenFamily> {
+ protected:
+  FusedDecodeTest() : config_(QwenVlConfig::tiny(GetParam())), model_(config_, 0) {
+    fill_hashed_weights(model_);
+    model_.save_checkpoint(scratch_.dir("f32"));
+  }
+  std::unique_ptr<QwenVl> load(const std::string& dir, LoadOptions options) {
+    std::unique_ptr<CausalVlm> m = load_model(dir, ParallelContext::single(), options);
+    auto* qwen = dynamic_cast<QwenVl*>(m.get());
+    EXPECT_NE(qwen, nullptr);
+    m.release();
+    return std::unique_ptr<QwenVl>(qwen);
+  }
+
+  QwenVlConfig config_;
+  QwenVl model_;
+  ScratchDir scratch_;
+};
+
+TEST_P(FusedDecodeTest, EqualsTheLayersOpByOpBitForBitWithEveryWeightDtype) {
+  expect_identical(generate(model_, true), generate(model_, false), "float32");
+  LoadOptions bf16;
+  bf16.weights_dtype = at::kBFloat16;
+  std::unique_ptr<QwenVl> half = load(scratch_.dir("f32"), bf16);
+  expect_identical(generate(*half, true), generate(*half, false), "bfloat16");
+  QuantizeOptions quantize;
+  quantize.block = {16, 16};
+  quantize_checkpoint(scratch_.dir("f32"), scratch_.dir("fp8"), quantize);
+  LoadOptions fp8;
+  fp8.keep_fp8 = true;
+  std::unique_ptr<QwenVl> bytes = load(scratch_.dir("fp8"), fp8);
+  ASSERT_TRUE(bytes->keeps_fp8());
+  expect_identical(generate(*bytes, true), generate(*bytes, false), "fp8");
+}
+
+/// Prefills each request in its own context, then runs `steps` decode steps of all of them in one
+/// forward_batch call per step (the engine's way): the logits of every step.
+std::vector<at::Tensor> batched_decode(QwenVl& model, bool fused, int steps) {
+  std::optional<FusedDecodeSetting> setting;
+  if (!fused) setting.emplace("0");
+  const std::vector<std::vector<std::vector<int64_t>>> requests = {{{1, 2, 3}}, {{4, 5, 6, 7, 8}, {0, 0, 9, 10, 11}}};
+  std::vector<std::unique_ptr<InferenceContext>> contexts;
+  std::vector<at::Tensor> masks, last;
+  for (const auto& rows : requests) {
+    const auto b = static_cast<int64_t>(rows.size());
+    const auto l = static_cast<int64_t>(rows[0].size());
+    std::vector<int64_t> flat;
+    for (const auto& r : rows) flat.insert(flat.end(), r.begin(), r.end());
+    const at::Tensor ids = at::tensor(flat, at::kLong).view({b, l});
+    const at::Tensor mask = ids.ne(0).to(at::kLong);
+    contexts.push_back(InferenceContext::allocate(model.traits().kv_cache, b, 16));
+    ForwardArgs args;
+    args.input_ids = ids;
+    args.attention_mask = mask;
+    args.position_ids = model.plan_positions(ids, mask, {}).prompt_positions;
+    args.context = contexts.back().get();
+    last.push_back(model.forward(args).select(1, l - 1).argmax(-1).unsqueeze(1));
+    contexts.back()->commit(ids, mask);
+    masks.push_back(mask);
+  }
+  std::vector<at::Tensor> out;
+  for (int step = 0; step < steps; ++step) {
+    std::vector<ForwardArgs> args(requests.size());
+    std::vector<const ForwardArgs*> calls;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const int64_t b = masks[i].size(0), start = masks[i].size(1);
+      masks[i] = at::cat({masks[i], at::ones({b, 1}, at::kLong)}, 1);
+      args[i].input_ids = last[i];
+      args[i].attention_mask = masks[i];
+      // Text only: every axis at the row's real-token count.
+      args[i].position_ids = masks[i].narrow(1, 0, start).sum(1).view({1, b, 1}).expand({3, b, 1}).contiguous();
+      args[i].context = contexts[i].get();
+      args[i].window_start = start;
+      calls.push_back(&args[i]);
+    }
+    std::vector<at::Tensor> logits = model.forward_batch(calls);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      contexts[i]->commit(args[i].input_ids, at::ones_like(args[i].input_ids));
+      last[i] = logits[i].select(1, 0).argmax(-1).unsqueeze(1);
+      out.push_back(logits[i]);
+    }
+  }
+  return out;
+}
+
+TEST_P(FusedDecodeTest, SeveralRequestsInOneStepEqualTheLayersOpByOp) {
+  const std::vector<at::Tensor> fused = batched_decode(model_, true, 4);
+  const std::vector<at::Tensor> op_by_op = batched_decode(model_, false, 4);
+  ASSERT_EQ(fused.size(), op_by_op.size());
+  for (size_t i = 0; i < fused.size(); ++i) EXPECT_TRUE(at::equal(fused[i], op_by_op[i])) << "logits " << i;
+}
+
+/// ATen calls made during one decode step of `model` over a prefilled context.
+int64_t aten_calls_in_a_decode_step(QwenVl& model) {
+  const at::Tensor ids = at::tensor(std::vector<int64_t>{1, 2, 3, 4}, at::kLong).view({1, 4});
+  const at::Tensor mask = at::ones({1, 4}, at::kLong);
+  auto context = InferenceContext::allocate(model.traits().kv_cache, 1, 8);
+  ForwardArgs prefill;
+  prefill.input_ids = ids;
+  prefill.attention_mask = mask;
+  prefill.position_ids = model.plan_positions(ids, mask, {}).prompt_positions;
+  prefill.context = context.get();
+  model.forward(prefill);
+  context->commit(ids, mask);
+  ForwardArgs step;
+  step.input_ids = at::full({1, 1}, 5, at::kLong);
+  step.attention_mask = at::ones({1, 5}, at::kLong);
+  step.position_ids = at::full({3, 1, 1}, 4, at::kLong);
+  step.context = context.get();
+  step.window_start = 4;
+  static std::atomic<int64_t> calls{0};
+  calls = 0;
+  const at::CallbackHandle handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback([](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
+        ++calls;
+        return nullptr;
+      }).scopes({at::RecordScope::FUNCTION}));
+  model.forward(step);
+  at::removeCallback(handle);
+  return calls.load();
+}
+
+TEST_P(FusedDecodeTest, AFusedStepMakesNoAtenCallPerLayer) {
+  QwenVlConfig deeper = config_;
+  deeper.num_hidden_layers = config_.num_hidden_layers + 3;
+  QwenVl deep(deeper, 0);
+  fill_hashed_weights(deep);
+  const int64_t shallow_calls = aten_calls_in_a_decode_step(model_);
+  const int64_t deep_calls = aten_calls_in_a_decode_step(deep);
+  std::printf("[ measured ] ATen calls in a fused decode step: %lld (%lld layers), %lld (%lld layers)\n",
+              static_cast<long long>(shallow_calls), static_cast<long long>(config_.num_hidden_layers),
+              static_cast<long long>(deep_calls), static_cast<long long>(deeper.num_hidden_layers));
+  EXPECT_GT(shallow_calls, 0);  // the counter counts (the step's embedding and output layer)
+  EXPECT_EQ(deep_calls, shallow_calls);
+  // Op by op, every layer adds its own.
+  FusedDecodeSetting op_by_op("0");
+  EXPECT_GE(aten_calls_in_a_decode_step(deep) - aten_calls_in_a_decode_step(model_), 3 * 10);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, FusedDecodeTest,
+                         ::testing::Values(QwenFamily::kQwen2Vl, QwenFamily::kQwen2_5Vl, QwenFamily::kQwen3Vl),
+                         [](const auto& info) { return std::string(family_model_type(info.param)); });
+
+}  // namespace
+}  // namespace vlmgen
