@@ -7,7 +7,7 @@
 //   exp(v) (e^v for v <= 0, relative error below 2e-7; inputs below -87 give about 1e-38),
 //   neg_abs(v) (-|v|), div(a, b), select_negative(c, a, b) (a where c < 0, else b),
 //   kWholeLines and, where it is true, load_line<T>(p, parts) (a 64-byte line of bfloat16 or FP8
-//   weights widened to kLineParts<T> vectors in an order of its own) and split_inputs<N>(p, parts)
+//   weights widened to kLineParts<T> vectors in an order of its own) and split_inputs<T>(p, parts)
 //   (as many floats split into the same order).
 // Included only by those files (see raw_kernels.h); it uses no inline function of another
 // header (a copy compiled with wider instructions could be picked by the linker for every caller).
@@ -103,9 +103,10 @@ constexpr int kLineParts = 4 / static_cast<int>(sizeof(WeightElement<T>));
 /// weights in an interleaved order (Vec::load_line: shifts and masks, fewer shuffles), and each
 /// input row is split into the same order once for the OT rows (Vec::split_inputs). A 64-byte
 /// load is a whole cache line where a row's bytes are a multiple of 64. bf16 decode ran 6-8%
-/// faster this way than widening half a line at a time; FP8 showed no measurable change (with 4
-/// input rows its 16 accumulators, 16 split inputs and 4 weight vectors exceed 32 registers, so
-/// the compiler spills). Scales as in tile_loop.
+/// faster this way than widening half a line at a time; FP8 through halves showed no measurable
+/// change, E4M3 through bfloat16 (Vec::load_line) gains 8-10% (with 4 input rows FP8's 16
+/// accumulators, 16 split inputs and 4 weight vectors exceed 32 registers, so the compiler
+/// spills). Scales as in tile_loop.
 template <class Vec, WeightType T, int OT, int RT, ScaleMode M>
 void tile_loop_lines(const RowsLinear& a, int64_t o, int64_t r, int64_t line_end, typename Vec::V (&acc)[OT][RT]) {
   using V = typename Vec::V;
@@ -132,7 +133,7 @@ void tile_loop_lines(const RowsLinear& a, int64_t o, int64_t r, int64_t line_end
     }
     V xs[RT][N];
     for (int rr = 0; rr < RT; ++rr) {
-      Vec::template split_inputs<N>(a.x + (r + rr) * a.ldx + i, xs[rr]);
+      Vec::template split_inputs<T>(a.x + (r + rr) * a.ldx + i, xs[rr]);
       if constexpr (M == ScaleMode::kToInput)
         for (int k = 0; k < N; ++k) xs[rr][k] = Vec::fma(xs[rr][k], input_scale, Vec::zero());
     }
