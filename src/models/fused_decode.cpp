@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "../kernels/kernels_internal.h"
+#include "vlmgen/detail/tensor_utils.h"
+#include "vlmgen/error.h"
 #include "vlmgen/kernels/cpu.h"
 
 namespace vlmgen::detail {
@@ -65,7 +67,7 @@ bool fused_decode_fits(const qwen_vl::LanguageModel& lm, const QwenVlConfig& c, 
   const char* setting = std::getenv("VLMGEN_FUSED_DECODE");  // "0": op by op (read per step, for comparisons)
   if (setting != nullptr && std::strcmp(setting, "0") == 0) return false;
   if (!kernels::enabled() || !hidden.device().is_cpu() || hidden.scalar_type() != at::kFloat || requests.empty() ||
-      ki::needs_grad({&hidden}) || c.head_dim % 2 != 0)
+      lm.layers.empty() || ki::needs_grad({&hidden}) || c.head_dim % 2 != 0)
     return false;
   const int64_t hs = c.hidden_size, d = c.head_dim, heads = c.num_attention_heads, kv = c.num_key_value_heads;
   if (hidden.dim() < 1 || hidden.size(-1) != hs || kv < 1 || heads % kv != 0) return false;
@@ -106,10 +108,15 @@ at::Tensor fused_decode_layers(const qwen_vl::LanguageModel& lm, const QwenVlCon
   const int64_t hs = c.hidden_size, d = c.head_dim, heads = c.num_attention_heads, kv = c.num_key_value_heads;
   const int64_t inter = c.intermediate_size, t = hidden.numel() / hs;
   const float eps = static_cast<float>(c.rms_norm_eps), scale = static_cast<float>(1.0 / std::sqrt(double(d)));
+  VLMGEN_CHECK(cos.numel() == t * d && sin.numel() == t * d && cos.scalar_type() == at::kFloat &&
+                   sin.scalar_type() == at::kFloat,
+               "fused decode: rotary cos and sin must hold [{}, {}] floats, got {} and {}", t, d,
+               detail::shape_str(cos), detail::shape_str(sin));
   at::Tensor x = hidden.reshape({t, hs}).clone(at::MemoryFormat::Contiguous);
+  const at::Tensor cos_rows = cos.contiguous(), sin_rows = sin.contiguous();
   float* xp = x.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
+  const float* cp = cos_rows.data_ptr<float>();
+  const float* sp = sin_rows.data_ptr<float>();
   thread_local Buffers b;
   b.size(t, hs, heads * d, kv * d, inter);
   std::vector<at::Tensor> key_real;
