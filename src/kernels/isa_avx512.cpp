@@ -64,7 +64,8 @@ struct Avx512 {
   }
   // E4M3 bytes with a zero exponent (zero and the subnormals m * 2^-9) read in load_line as
   // +-(2^-15 + m * 2^-18) (the exponent field's 112 and an implicit 1): 2^-8 times their value is
-  // +-m * 2^-17 = 2x -+ 2^-14, exact. Lines that hold one (rare in amax-scaled weights) take this.
+  // +-m * 2^-17 = 2x -+ 2^-14, exact (a negative zero comes out +0, which no sum can tell).
+  // Lines that hold one (rare in amax-scaled weights) take this.
   static void fix_zero_exponents(V (&parts)[4]) {
     for (V& x : parts) {
       const __m512i bits = _mm512_castps_si512(x);

@@ -2,7 +2,7 @@
 
 #include "fused_decode.h"
 
-#include <ATen/core/grad_mode.h>
+#include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -85,9 +85,10 @@ bool fused_decode_fits(const qwen_vl::LanguageModel& lm, const QwenVlConfig& c, 
   }
   if (next_row != t) return false;
   for (const FusedDecodeRows& r : requests) {  // the layout fused_decode_layers writes into
-    const at::Tensor keys = r.context->layer_storage(0).first;
-    if (keys.stride(3) != 1 || keys.stride(2) != d || r.context->layer_storage(0).second.strides() != keys.strides())
-      return false;
+    for (int64_t layer = 0; layer < r.context->num_layers(); ++layer) {
+      const auto [keys, values] = r.context->layer_storage(layer);
+      if (keys.stride(3) != 1 || keys.stride(2) != d || values.strides() != keys.strides()) return false;
+    }
   }
   for (const qwen_vl::DecoderLayer& w : lm.layers) {
     if (!norm_fits(w.input_layernorm, hs) || !norm_fits(w.post_attention_layernorm, hs) ||
@@ -171,7 +172,9 @@ at::Tensor fused_decode_layers(const qwen_vl::LanguageModel& lm, const QwenVlCon
     ki::rms_norm_rows(xp, t, hs, w.post_attention_layernorm.data_ptr<float>(), eps, 0.0f, b.h.data());
     run_linear(isa, w.gate_proj, b.h.data(), t, b.gate.data());
     run_linear(isa, w.up_proj, b.h.data(), t, b.up.data());
-    ki::silu_mul(isa, b.gate.data(), b.up.data(), b.gate.data(), t * inter);
+    at::parallel_for(0, t * inter, 1 << 14, [&](int64_t begin, int64_t end) {  // as kernels::silu_mul splits it
+      ki::silu_mul(isa, b.gate.data() + begin, b.up.data() + begin, b.gate.data() + begin, end - begin);
+    });
     run_linear(isa, w.down_proj, b.gate.data(), t, b.out.data());
     add_rows(xp, b.out.data(), t * hs);
   }

@@ -1,8 +1,8 @@
 #pragma once
 
 // The decoder layers of a Qwen-family decode step on the CPU as one pass over buffers this
-// module owns (private to src/models). Op by op, a step of the 100M config made about 30 ATen
-// calls and a dozen tensors per layer, 1-2 ms of a 10 ms FP8 step; here each layer is the
+// module owns (private to src/models). Op by op, a step made about 80 ATen calls and a dozen
+// tensors per layer, 1-2 ms of a 10 ms FP8 step of the 100M config; here each layer is the
 // kernels' own loops (src/kernels/kernels_internal.h), the window's keys and values written
 // straight into the KV cache. Same arithmetic as the op-by-op path: RMSNorm, rotary, the
 // linears, the gated product and attention are the same functions, so the two agree bit for
@@ -33,9 +33,11 @@ struct FusedDecodeRows {
 bool fused_decode_fits(const qwen_vl::LanguageModel& lm, const QwenVlConfig& c, const at::Tensor& hidden,
                        const std::vector<FusedDecodeRows>& requests);
 
-/// Runs every decoder layer on `hidden` ([T, hidden] rows, float32) for the step's T rows, with
-/// rotary cos and sin of each row ([T, head_dim] each, contiguous), appending each layer's keys
-/// and values to the requests' caches: the residual stream after the last layer, [T, hidden].
+/// Runs every decoder layer on `hidden` (T rows of hidden floats) for the step's T rows, with
+/// rotary cos and sin of each row (T x head_dim floats each, e.g. [B, 1, 1, head_dim]), appending
+/// each layer's keys and values to the requests' caches: the residual stream after the last
+/// layer, [T, hidden]. Only for arguments fused_decode_fits accepted (it checks the caches'
+/// room, layout and key masks, which this does not check again).
 at::Tensor fused_decode_layers(const qwen_vl::LanguageModel& lm, const QwenVlConfig& c, const at::Tensor& hidden,
                                const at::Tensor& cos, const at::Tensor& sin,
                                const std::vector<FusedDecodeRows>& requests);

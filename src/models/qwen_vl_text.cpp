@@ -99,6 +99,101 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return parts.size() == 1 ? parts[0] : at::cat(parts, 2);
 }
 
+/// Per segment: keys are the cached columns [0, window_start) plus the window; without a cache
+/// only the window. Query column q sees key column k when k <= q and the key is not padding.
+/// (A template: QwenVl::LmSegment is private to the model.)
+template <class Segment>
+std::vector<AttentionWindow> attention_windows(const std::vector<Segment>& segments, double scale) {
+  std::vector<AttentionWindow> windows;
+  for (const Segment& g : segments) {
+    const int64_t key_begin = g.context != nullptr ? 0 : g.window_start;
+    const int64_t key_end = g.window_start + g.cols;
+    windows.push_back(AttentionWindow{g.window_start, key_begin,
+                                      g.attention_mask.narrow(1, key_begin, key_end - key_begin).eq(1),  // [rows, K]
+                                      scale});
+  }
+  return windows;
+}
+
+/// Where each segment's rows x cols tokens start in the stream of several segments.
+template <class Segment>
+std::vector<int64_t> stream_offsets(const std::vector<Segment>& segments) {
+  std::vector<int64_t> offsets;
+  int64_t streamed = 0;
+  for (const Segment& g : segments) {
+    offsets.push_back(streamed);
+    streamed += g.rows * g.cols;
+  }
+  return offsets;
+}
+
+/// Attention of several segments in one [1, T] stream (q [1, heads, T, D], k and v [1, kv, T, D]),
+/// each over its own cache: each takes its rows x cols tokens as [rows, heads, cols, D] and writes
+/// its output to its place of the [T, heads * D] result.
+template <class Segment>
+at::Tensor attend_segments(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const std::vector<Segment>& segments, const std::vector<int64_t>& offsets,
+                           const std::vector<AttentionWindow>& windows) {
+  const int64_t heads = q.size(1), head_dim = q.size(3);
+  at::Tensor out = at::empty({q.size(2), heads * head_dim}, q.options());
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const Segment& g = segments[i];
+    const int64_t n = g.rows * g.cols;
+    auto own = [&](const at::Tensor& t) {
+      return t.narrow(2, offsets[i], n).reshape({t.size(1), g.rows, g.cols, head_dim}).transpose(0, 1);
+    };
+    at::Tensor qi = own(q), ki = own(k), vi = own(v);
+    if (g.context != nullptr) std::tie(ki, vi) = g.context->append_kv(layer, ki, vi);
+    out.narrow(0, offsets[i], n)
+        .view({g.rows, g.cols, heads, head_dim})
+        .copy_(attend(qi, ki, vi, windows[i]).transpose(1, 2));
+  }
+  return out;
+}
+
+/// The rows of a fused decode step: every segment one column over its KV cache, or none.
+template <class Segment>
+std::vector<detail::FusedDecodeRows> fused_rows(const std::vector<Segment>& segments,
+                                                const std::vector<int64_t>& offsets,
+                                                const std::vector<AttentionWindow>& windows) {
+  std::vector<detail::FusedDecodeRows> rows;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const Segment& g = segments[i];
+    if (g.cols != 1 || g.context == nullptr) return {};
+    rows.push_back(detail::FusedDecodeRows{g.context, offsets[i], g.rows, windows[i].key_real});
+  }
+  return rows;
+}
+
+/// The output layer once over the columns the segments want (the last of each row, or all) of
+/// the stream x [1, T, hidden] of several segments: logits [rows, cols or 1, vocab] per segment.
+/// A decode step's one-column windows want every row of the stream.
+template <class Segment>
+std::vector<at::Tensor> segment_logits(const at::Tensor& x, const std::vector<Segment>& segments,
+                                       const std::vector<int64_t>& offsets, const qwen_vl::LanguageModel& lm) {
+  std::vector<int64_t> wanted;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const Segment& g = segments[i];
+    for (int64_t r = 0; r < g.rows; ++r) {
+      for (int64_t col = g.last_column_only ? g.cols - 1 : 0; col < g.cols; ++col) {
+        wanted.push_back(offsets[i] + r * g.cols + col);
+      }
+    }
+  }
+  at::Tensor rows = x.select(0, 0);
+  if (static_cast<int64_t>(wanted.size()) < x.size(1))
+    rows = rows.index_select(0, at::tensor(wanted, at::kLong).to(x.device(), at::kLong, /*non_blocking=*/true));
+  const at::Tensor logits = kernels::linear(rows.unsqueeze(0), lm.lm_head, {}, lm.lm_head_fp8).squeeze(0);
+  std::vector<at::Tensor> out;
+  int64_t first = 0;
+  for (const Segment& g : segments) {
+    const int64_t cols = g.last_column_only ? 1 : g.cols;
+    out.push_back(logits.narrow(0, first, g.rows * cols).view({g.rows, cols, logits.size(1)}));
+    first += g.rows * cols;
+  }
+  return out;
+}
+
 }  // namespace
 
 std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tensor& position_ids,
@@ -117,45 +212,13 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
 
   auto [cos, sin] = mrope_cos_sin(position_ids, c);
 
-  // Per segment: keys are the cached columns [0, window_start) plus the window; without a
-  // cache only the window. Query column q sees key column k when k <= q and the key is not
-  // padding.
-  std::vector<AttentionWindow> windows;
-  for (const LmSegment& g : segments) {
-    const int64_t key_begin = g.context != nullptr ? 0 : g.window_start;
-    const int64_t key_end = g.window_start + g.cols;
-    windows.push_back(AttentionWindow{g.window_start, key_begin,
-                                      g.attention_mask.narrow(1, key_begin, key_end - key_begin).eq(1),  // [rows, K]
-                                      scale});
-  }
+  const std::vector<AttentionWindow> windows = attention_windows(segments, scale);
   // Attention of every segment over its own cache; q [b, heads, s, D], k and v [b, kv, s, D].
-  // Several segments lie in one [1, T] stream (rows of each one after another): each takes its
-  // rows x cols tokens as [rows, heads, cols, D] and writes its output to its place.
-  std::vector<int64_t> offsets;  // of each segment in the stream
-  int64_t streamed = 0;
-  for (const LmSegment& g : segments) {
-    offsets.push_back(streamed);
-    streamed += g.rows * g.cols;
-  }
+  const std::vector<int64_t> offsets = stream_offsets(segments);
   auto attention = [&](int64_t layer, const at::Tensor& q, at::Tensor k, at::Tensor v) {
-    if (one) {
-      if (segments[0].context != nullptr) std::tie(k, v) = segments[0].context->append_kv(layer, k, v);
-      return attend(q, k, v, windows[0]).transpose(1, 2).reshape({b, s, heads * head_dim});
-    }
-    at::Tensor out = at::empty({s, heads * head_dim}, q.options());
-    for (size_t i = 0; i < segments.size(); ++i) {
-      const LmSegment& g = segments[i];
-      const int64_t n = g.rows * g.cols;
-      auto own = [&](const at::Tensor& t) {
-        return t.narrow(2, offsets[i], n).reshape({t.size(1), g.rows, g.cols, head_dim}).transpose(0, 1);
-      };
-      at::Tensor qi = own(q), ki = own(k), vi = own(v);
-      if (g.context != nullptr) std::tie(ki, vi) = g.context->append_kv(layer, ki, vi);
-      out.narrow(0, offsets[i], n)
-          .view({g.rows, g.cols, heads, head_dim})
-          .copy_(attend(qi, ki, vi, windows[i]).transpose(1, 2));
-    }
-    return out.view({b, s, heads * head_dim});
+    if (!one) return attend_segments(layer, q, k, v, segments, offsets, windows).view({b, s, heads * head_dim});
+    if (segments[0].context != nullptr) std::tie(k, v) = segments[0].context->append_kv(layer, k, v);
+    return attend(q, k, v, windows[0]).transpose(1, 2).reshape({b, s, heads * head_dim});
   };
 
   // Sequence parallelism for windows of more than one token: between blocks each rank keeps
@@ -193,12 +256,8 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
 
   // A decode step (one new column per row over a KV cache) on the CPU: the fused layers.
   std::vector<detail::FusedDecodeRows> fused;
-  for (size_t i = 0; i < segments.size() && comm == nullptr && !deepstack.defined(); ++i) {
-    const LmSegment& g = segments[i];
-    if (g.cols != 1 || g.context == nullptr) break;
-    fused.push_back(detail::FusedDecodeRows{g.context, offsets[i], g.rows, windows[i].key_real});
-  }
-  const bool run_fused = fused.size() == segments.size() && detail::fused_decode_fits(lm_, c, x, fused);
+  if (comm == nullptr && !deepstack.defined()) fused = fused_rows(segments, offsets, windows);
+  const bool run_fused = !fused.empty() && detail::fused_decode_fits(lm_, c, x, fused);
   if (run_fused) x = detail::fused_decode_layers(lm_, c, x, cos, sin, fused).view(x.sizes());
 
   for (size_t layer = 0; layer < lm_.layers.size() && !run_fused; ++layer) {
@@ -227,29 +286,7 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
   if (one)
     return {
         kernels::linear(segments[0].last_column_only ? x.narrow(1, s - 1, 1) : x, lm_.lm_head, {}, lm_.lm_head_fp8)};
-  // The output layer once over the columns the segments want (the last of each row, or all):
-  // a decode step's one-column windows want every row of the stream.
-  std::vector<int64_t> wanted;
-  for (size_t i = 0; i < segments.size(); ++i) {
-    const LmSegment& g = segments[i];
-    for (int64_t r = 0; r < g.rows; ++r) {
-      for (int64_t col = g.last_column_only ? g.cols - 1 : 0; col < g.cols; ++col) {
-        wanted.push_back(offsets[i] + r * g.cols + col);
-      }
-    }
-  }
-  at::Tensor rows = x.select(0, 0);
-  if (static_cast<int64_t>(wanted.size()) < s)
-    rows = rows.index_select(0, at::tensor(wanted, at::kLong).to(x.device(), at::kLong, /*non_blocking=*/true));
-  const at::Tensor logits = kernels::linear(rows.unsqueeze(0), lm_.lm_head, {}, lm_.lm_head_fp8).squeeze(0);
-  std::vector<at::Tensor> out;
-  int64_t first = 0;
-  for (const LmSegment& g : segments) {
-    const int64_t cols = g.last_column_only ? 1 : g.cols;
-    out.push_back(logits.narrow(0, first, g.rows * cols).view({g.rows, cols, logits.size(1)}));
-    first += g.rows * cols;
-  }
-  return out;
+  return segment_logits(x, segments, offsets, lm_);
 }
 
 }  // namespace vlmgen

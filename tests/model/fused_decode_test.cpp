@@ -47,11 +47,27 @@ class FusedDecodeSetting {
   std::optional<std::string> before_;
 };
 
+/// The ATen calls `fn` makes on this thread.
+template <class F>
+int64_t count_aten_calls(F&& fn) {
+  static std::atomic<int64_t> calls{0};
+  calls = 0;
+  const at::CallbackHandle handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback([](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
+        ++calls;
+        return nullptr;
+      }).scopes({at::RecordScope::FUNCTION}));
+  fn();
+  at::removeCallback(handle);
+  return calls.load();
+}
+
 /// What a generation leaves: the logits of every call and the KV cache it filled.
 struct Run {
   std::vector<at::Tensor> logits;
   std::vector<at::Tensor> keys, values;  // per layer, the committed columns
   std::vector<std::vector<int64_t>> tokens;
+  int64_t aten_calls = 0;
 };
 
 /// Greedy generation over a ragged batch with an image in its first row, into a context of the
@@ -65,9 +81,12 @@ Run generate(QwenVl& model, bool fused) {
   auto context = InferenceContext::allocate(model.traits().kv_cache, 3, 32);
   testing::ForwardSpy spy(model);
   spy.record_tensors(true);
-  GenerationResult result = Generator(spy).generate(make_request(prompts, vision, context.get()),
-                                                    GenerationConfig().max_new_tokens(7).enable_kv_cache(true));
+  GenerationResult result;
   Run run;
+  run.aten_calls = count_aten_calls([&] {
+    result = Generator(spy).generate(make_request(prompts, vision, context.get()),
+                                     GenerationConfig().max_new_tokens(7).enable_kv_cache(true));
+  });
   for (const auto& call : spy.calls()) run.logits.push_back(call.logits);
   for (int64_t layer = 0; layer < context->num_layers(); ++layer) {
     auto [k, v] = context->kv(layer);
@@ -90,6 +109,10 @@ void expect_identical(const Run& fused, const Run& op_by_op, const std::string& 
     EXPECT_TRUE(at::equal(fused.values[layer], op_by_op.values[layer])) << "values of layer " << layer;
   }
   EXPECT_EQ(fused.tokens, op_by_op.tokens);
+  // And the fused step ran: op by op, each of the six decode steps makes ~80 ATen calls a layer.
+  const auto layers = static_cast<int64_t>(fused.keys.size());
+  EXPECT_LT(fused.aten_calls + 6 * 40 * layers, op_by_op.aten_calls)
+      << "fused " << fused.aten_calls << ", op by op " << op_by_op.aten_calls;
 }
 
 class FusedDecodeTest : public ::testing::TestWithParam<QwenFamily> {
@@ -101,7 +124,10 @@ class FusedDecodeTest : public ::testing::TestWithParam<QwenFamily> {
   std::unique_ptr<QwenVl> load(const std::string& dir, LoadOptions options) {
     std::unique_ptr<CausalVlm> m = load_model(dir, ParallelContext::single(), options);
     auto* qwen = dynamic_cast<QwenVl*>(m.get());
-    EXPECT_NE(qwen, nullptr);
+    if (qwen == nullptr) {
+      ADD_FAILURE() << dir << " did not load as a QwenVl";
+      return nullptr;
+    }
     m.release();
     return std::unique_ptr<QwenVl>(qwen);
   }
@@ -116,6 +142,7 @@ TEST_P(FusedDecodeTest, EqualsTheLayersOpByOpBitForBitWithEveryWeightDtype) {
   LoadOptions bf16;
   bf16.weights_dtype = at::kBFloat16;
   std::unique_ptr<QwenVl> half = load(scratch_.dir("f32"), bf16);
+  ASSERT_NE(half, nullptr);
   expect_identical(generate(*half, true), generate(*half, false), "bfloat16");
   QuantizeOptions quantize;
   quantize.block = {16, 16};
@@ -123,13 +150,15 @@ TEST_P(FusedDecodeTest, EqualsTheLayersOpByOpBitForBitWithEveryWeightDtype) {
   LoadOptions fp8;
   fp8.keep_fp8 = true;
   std::unique_ptr<QwenVl> bytes = load(scratch_.dir("fp8"), fp8);
+  ASSERT_NE(bytes, nullptr);
   ASSERT_TRUE(bytes->keeps_fp8());
   expect_identical(generate(*bytes, true), generate(*bytes, false), "fp8");
 }
 
 /// Prefills each request in its own context, then runs `steps` decode steps of all of them in one
-/// forward_batch call per step (the engine's way): the logits of every step.
-std::vector<at::Tensor> batched_decode(QwenVl& model, bool fused, int steps) {
+/// forward_batch call per step (the engine's way): the logits of every step, then every layer's
+/// keys and values of each context; `aten_calls` gets the decode steps' ATen calls.
+std::vector<at::Tensor> batched_decode(QwenVl& model, bool fused, int steps, int64_t& aten_calls) {
   std::optional<FusedDecodeSetting> setting;
   if (!fused) setting.emplace("0");
   const std::vector<std::vector<std::vector<int64_t>>> requests = {{{1, 2, 3}}, {{4, 5, 6, 7, 8}, {0, 0, 9, 10, 11}}};
@@ -167,21 +196,32 @@ std::vector<at::Tensor> batched_decode(QwenVl& model, bool fused, int steps) {
       args[i].window_start = start;
       calls.push_back(&args[i]);
     }
-    std::vector<at::Tensor> logits = model.forward_batch(calls);
+    std::vector<at::Tensor> logits;
+    aten_calls += count_aten_calls([&] { logits = model.forward_batch(calls); });
     for (size_t i = 0; i < requests.size(); ++i) {
       contexts[i]->commit(args[i].input_ids, at::ones_like(args[i].input_ids));
       last[i] = logits[i].select(1, 0).argmax(-1).unsqueeze(1);
       out.push_back(logits[i]);
     }
   }
+  for (const auto& context : contexts) {
+    for (int64_t layer = 0; layer < context->num_layers(); ++layer) {
+      auto [k, v] = context->kv(layer);
+      out.push_back(k.clone());
+      out.push_back(v.clone());
+    }
+  }
   return out;
 }
 
 TEST_P(FusedDecodeTest, SeveralRequestsInOneStepEqualTheLayersOpByOp) {
-  const std::vector<at::Tensor> fused = batched_decode(model_, true, 4);
-  const std::vector<at::Tensor> op_by_op = batched_decode(model_, false, 4);
+  int64_t fused_calls = 0, op_calls = 0;
+  const std::vector<at::Tensor> fused = batched_decode(model_, true, 4, fused_calls);
+  const std::vector<at::Tensor> op_by_op = batched_decode(model_, false, 4, op_calls);
   ASSERT_EQ(fused.size(), op_by_op.size());
-  for (size_t i = 0; i < fused.size(); ++i) EXPECT_TRUE(at::equal(fused[i], op_by_op[i])) << "logits " << i;
+  for (size_t i = 0; i < fused.size(); ++i) EXPECT_TRUE(at::equal(fused[i], op_by_op[i])) << "logits or K/V " << i;
+  EXPECT_LT(fused_calls + 4 * 40 * config_.num_hidden_layers, op_calls)
+      << "the fused step did not run: " << fused_calls << " ATen calls against " << op_calls;
 }
 
 /// ATen calls made during one decode step of `model` over a prefilled context.
@@ -202,16 +242,7 @@ int64_t aten_calls_in_a_decode_step(QwenVl& model) {
   step.position_ids = at::full({3, 1, 1}, 4, at::kLong);
   step.context = context.get();
   step.window_start = 4;
-  static std::atomic<int64_t> calls{0};
-  calls = 0;
-  const at::CallbackHandle handle = at::addThreadLocalCallback(
-      at::RecordFunctionCallback([](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
-        ++calls;
-        return nullptr;
-      }).scopes({at::RecordScope::FUNCTION}));
-  model.forward(step);
-  at::removeCallback(handle);
-  return calls.load();
+  return count_aten_calls([&] { model.forward(step); });
 }
 
 TEST_P(FusedDecodeTest, AFusedStepMakesNoAtenCallPerLayer) {

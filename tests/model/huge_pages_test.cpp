@@ -89,7 +89,9 @@ void expect_packed(std::vector<at::Tensor> tensors) {
   const uintptr_t end = at(tensors.back()) + tensors.back().nbytes();
   EXPECT_LE(end, vma.end);
   EXPECT_LE(vma.end, (end + kTwoMiB - 1) / kTwoMiB * kTwoMiB) << "the reserved room past the last page is given back";
-  if (thp_allowed() && vma.thp_eligible != -1) EXPECT_EQ(vma.thp_eligible, 1);
+  if (thp_allowed() && vma.thp_eligible != -1) {
+    EXPECT_EQ(vma.thp_eligible, 1);
+  }
 }
 
 TEST(HugePages, QwenDecodeWeightsLoadIntoOneMappingWithTheSameValues) {

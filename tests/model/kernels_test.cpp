@@ -113,15 +113,16 @@ TEST(CpuKernels, Fp8LinearAndWideningMatchTheFormatDefinitionOnEveryPathAndScale
   for (Case c : {Case{70, 96, 32, 32}, Case{130, 200, 128, 128}, Case{22, 64, 2, 16}, Case{13, 37, 1, 37},
                  Case{64, 768, 64, 768}, Case{22, 216, 2, 64}, Case{40, 152, 16, 128}, Case{20, 216, 4, 128},
                  Case{22, 216, 2, 128}}) {
-    // E4M3 random; every other row without a zero exponent (whole lines of normal numbers), or
-    // with only zero exponents (zeros and subnormals, else within the tolerance of wrong values
-    // among the others); E5M2.
-    for (int variant = 0; variant < 4; ++variant) {
-      const bool e5m2 = variant == 3;
+    // E4M3 random; every other row without a zero exponent (whole lines of normal numbers), with
+    // only zero exponents (zeros and subnormals, else within the tolerance of wrong values among
+    // the others), or only subnormals (lines without a zero byte); E5M2.
+    for (int variant = 0; variant < 5; ++variant) {
+      const bool e5m2 = variant == 4;
       auto [bytes, q] = random_fp8(c.out, c.in, c.block_out, c.block_in, e5m2);
       at::Tensor rows = bytes.slice(0, 0, c.out, 2);
       if (variant == 1) rows.copy_(at::where(rows.bitwise_and(0x78).eq(0), rows.bitwise_or(0x08), rows));
       if (variant == 2) rows.copy_(rows.bitwise_and(0x87));
+      if (variant == 3) rows.copy_(rows.bitwise_and(0x87).bitwise_or(0x01));
       at::Tensor w = fp8_reference(bytes, q);
       for (Isa isa : kernels::supported_isas()) {
         SCOPED_TRACE(testing::Message() << kernels::isa_name(isa) << (e5m2 ? " e5m2 " : " e4m3 ") << variant << " ["
