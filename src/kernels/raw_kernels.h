@@ -73,6 +73,11 @@ struct HeadGroupAttention {
 bool avx2_compiled();
 bool avx512_compiled();
 
+/// At least n floats of scratch for the calling thread, 64-byte aligned, valid until its next call
+/// (kept between calls; defined outside the instruction-set files, whose inline code must not
+/// reach other headers').
+float* input_scratch(int64_t n);
+
 void rows_linear_portable(const RowsLinear& a, int64_t o_begin, int64_t o_end);
 void rows_linear_avx2(const RowsLinear& a, int64_t o_begin, int64_t o_end);
 void rows_linear_avx512(const RowsLinear& a, int64_t o_begin, int64_t o_end);

@@ -13,6 +13,16 @@
 
 namespace vlmgen::kernels {
 
+float* raw::input_scratch(int64_t n) {
+  struct Aligned {
+    alignas(64) float f[16];
+  };
+  thread_local std::vector<Aligned> buffer;
+  const size_t blocks = static_cast<size_t>((std::max<int64_t>(n, 0) + 15) / 16);
+  if (buffer.size() < blocks) buffer.resize(blocks);
+  return reinterpret_cast<float*>(buffer.data());
+}
+
 at::Tensor silu_mul_on(Isa isa, const at::Tensor& gate, const at::Tensor& up) {
   VLMGEN_CHECK(internal::cpu_has(isa), "kernels::silu_mul: this CPU cannot run the {} path", isa_name(isa));
   VLMGEN_CHECK(gate.device().is_cpu() && up.device().is_cpu() && gate.scalar_type() == at::kFloat &&
