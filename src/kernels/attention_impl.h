@@ -65,6 +65,39 @@ float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+/// Lane j: Vec::sum(acc[j]), bit for bit (Vec::lane_sums where the instruction set has one: the
+/// same additions in the same order, for all lanes at once).
+template <class Vec>
+typename Vec::V lane_sums(const typename Vec::V (&acc)[Vec::kLanes]) {
+  if constexpr (Vec::kLaneSums) {
+    return Vec::lane_sums(acc);
+  } else {
+    float sums[Vec::kLanes];
+    for (int64_t j = 0; j < Vec::kLanes; ++j) sums[j] = Vec::sum(acc[j]);
+    return Vec::load(sums);
+  }
+}
+
+/// The scores of query head g of column s for keys [j, j + kLanes): q . k * scale, -inf for keys
+/// that are not real; as dot() per key, bit for bit, but with the horizontal sums of a whole block
+/// of keys done together (dim a multiple of kLanes).
+template <class Vec>
+void score_block(const HeadGroupAttention& a, int64_t g, int64_t s, int64_t j) {
+  using V = typename Vec::V;
+  constexpr int64_t L = Vec::kLanes;
+  const float* q = a.q + g * a.q_head_stride + s * a.dim;
+  V acc[L];
+  for (int64_t kk = 0; kk < L; ++kk) {
+    const float* key = a.k + (j + kk) * a.kv_row_stride;
+    acc[kk] = Vec::zero();
+    for (int64_t i = 0; i < a.dim; i += L) acc[kk] = Vec::fma(Vec::load(q + i), Vec::load(key + i), acc[kk]);
+  }
+  float* out = a.scores + g * a.keys + j;
+  Vec::store(out, Vec::fma(lane_sums<Vec>(acc), Vec::set1(a.scale), Vec::zero()));
+  for (int64_t kk = 0; kk < L; ++kk)
+    if (a.key_real[j + kk] == 0) out[kk] = -INFINITY;
+}
+
 /// y += alpha * x over n floats.
 template <class Vec>
 void axpy(float alpha, const float* x, float* y, int64_t n) {
@@ -178,7 +211,11 @@ void attention(const HeadGroupAttention& a) {
           axpy<Vec>(w, a.v + j * a.kv_row_stride, a.out + g * a.q_head_stride + s * dim, dim);
       continue;
     }
-    for (int64_t j = 0; j < limit; ++j) {
+    int64_t j = 0;
+    if (a.dim % Vec::kLanes == 0)  // blocks of keys, then one key at a time
+      for (; j + Vec::kLanes <= limit; j += Vec::kLanes)
+        for (int64_t g = 0; g < a.groups; ++g) score_block<Vec>(a, g, s, j);
+    for (; j < limit; ++j) {
       const float* key = a.k + j * a.kv_row_stride;
       for (int64_t g = 0; g < a.groups; ++g)
         a.scores[g * a.keys + j] =

@@ -115,6 +115,28 @@ struct Avx512 {
   }
   static V fma(V a, V b, V acc) { return _mm512_fmadd_ps(a, b, acc); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static constexpr bool kLaneSums = true;
+  // Lane j: sum(acc[j]) with _mm512_reduce_add_ps's additions (lane i + lane i + 8, then + 4, + 2,
+  // + 1), four levels of pairs of vectors instead of 16 reductions: 31 shuffles and 15 adds.
+  static V lane_sums(const V (&acc)[16]) {
+    V halves[8];  // quarters: (i, i + 8) sums of acc[2n] (lanes 0-7), then of acc[2n + 1]
+    for (int n = 0; n < 8; ++n)
+      halves[n] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * n], acc[2 * n + 1], 0x44),
+                                _mm512_shuffle_f32x4(acc[2 * n], acc[2 * n + 1], 0xee));
+    V quarters[4];  // quarter m: the (i, i + 4) sums of acc[4n + m]
+    for (int n = 0; n < 4; ++n)
+      quarters[n] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * n], halves[2 * n + 1], 0x88),
+                                  _mm512_shuffle_f32x4(halves[2 * n], halves[2 * n + 1], 0xdd));
+    V pairs[2];  // quarter m: the (i, i + 2) sums of acc[8n + m], then of acc[8n + 4 + m]
+    for (int n = 0; n < 2; ++n) {
+      const __m512d a = _mm512_castps_pd(quarters[2 * n]), b = _mm512_castps_pd(quarters[2 * n + 1]);
+      pairs[n] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    // Lane 4m + n: the sum of acc[4n + m].
+    const V sums = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+  }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V exp(V x) {
     x = _mm512_max_ps(set1(kExpLowest), x);  // a NaN x stays NaN (max takes the second on NaN)
