@@ -23,6 +23,23 @@ float* raw::input_scratch(int64_t n) {
   return reinterpret_cast<float*>(buffer.data());
 }
 
+namespace {
+
+/// Float32 CPU gate and up of one shape that autograd does not record, the kernels enabled.
+bool silu_mul_fits(const at::Tensor& gate, const at::Tensor& up) {
+  return enabled() && gate.device().is_cpu() && up.device().is_cpu() && gate.scalar_type() == at::kFloat &&
+         up.scalar_type() == at::kFloat && gate.sizes() == up.sizes() && !internal::needs_grad({&gate, &up});
+}
+
+/// y = silu(gate) * up over n floats, split over the ATen threads as every caller splits it.
+void silu_mul_threads(Isa isa, const float* gate, const float* up, float* y, int64_t n) {
+  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+    internal::silu_mul(isa, gate + begin, up + begin, y + begin, end - begin);
+  });
+}
+
+}  // namespace
+
 at::Tensor silu_mul_on(Isa isa, const at::Tensor& gate, const at::Tensor& up) {
   VLMGEN_CHECK(internal::cpu_has(isa), "kernels::silu_mul: this CPU cannot run the {} path", isa_name(isa));
   VLMGEN_CHECK(gate.device().is_cpu() && up.device().is_cpu() && gate.scalar_type() == at::kFloat &&
@@ -36,18 +53,22 @@ at::Tensor silu_mul_on(Isa isa, const at::Tensor& gate, const at::Tensor& up) {
   const int64_t n = g.numel();
   const float* gp = g.data_ptr<float>();
   const float* upp = u.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
-    internal::silu_mul(isa, gp + begin, upp + begin, yp + begin, end - begin);
-  });
+  silu_mul_threads(isa, gp, upp, y.data_ptr<float>(), n);
   return y;
 }
 
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  const bool fits = enabled() && gate.device().is_cpu() && up.device().is_cpu() && gate.scalar_type() == at::kFloat &&
-                    up.scalar_type() == at::kFloat && gate.sizes() == up.sizes() && !internal::needs_grad({&gate, &up});
-  if (!fits) return at::silu(gate) * up;
+  if (!silu_mul_fits(gate, up)) return at::silu(gate) * up;
   return silu_mul_on(active_isa(), gate, up);
+}
+
+void silu_mul_into(at::Tensor& gate, const at::Tensor& up) {
+  if (!silu_mul_fits(gate, up) || !gate.is_contiguous()) {
+    gate = silu_mul(gate, up);
+    return;
+  }
+  const at::Tensor u = up.contiguous();
+  silu_mul_threads(active_isa(), gate.data_ptr<float>(), u.data_ptr<float>(), gate.data_ptr<float>(), gate.numel());
 }
 
 }  // namespace vlmgen::kernels

@@ -277,7 +277,8 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
     x = x + reduce(attention(static_cast<int64_t>(layer), q, k, v), w.o_proj);
 
     h = whole(detail::apply_rms_norm(x, w.post_attention_layernorm, c.rms_norm_eps));
-    at::Tensor gated = kernels::silu_mul(detail::apply_linear(h, w.gate_proj), detail::apply_linear(h, w.up_proj));
+    at::Tensor gated = detail::apply_linear(h, w.gate_proj);
+    kernels::silu_mul_into(gated, detail::apply_linear(h, w.up_proj));
     x = x + reduce(gated, w.down_proj);
     if (layer < deepstack_add.size()) x = x + deepstack_add[layer];
   }

@@ -377,6 +377,22 @@ TEST(CpuKernels, SiluMulMatchesFloat64OnEveryPathWithoutOverflowAndWhereverTheRa
       }
     }
   }
+  // silu_mul_into: the same bits, in the gate's own storage where it is contiguous float32; a
+  // strided gate gets a tensor of its own with the same values.
+  {
+    const at::Tensor gate = at::randn({3, 4096 + 5}) * 6, up = at::randn({3, 4096 + 5});
+    at::Tensor into = gate.clone();
+    const void* storage = into.data_ptr();
+    kernels::silu_mul_into(into, up);
+    EXPECT_EQ(into.data_ptr(), storage);
+    EXPECT_TRUE(at::equal(into, kernels::silu_mul(gate, up)));
+    at::Tensor strided = gate.clone().t();
+    kernels::silu_mul_into(strided, up.t());
+    EXPECT_TRUE(at::equal(strided, kernels::silu_mul(gate.t(), up.t())));
+    at::Tensor g64 = gate.to(at::kDouble);
+    kernels::silu_mul_into(g64, up.to(at::kDouble));
+    EXPECT_TRUE(at::allclose(g64, at::silu(gate.to(at::kDouble)) * up.to(at::kDouble)));
+  }
   // Other dtypes, mismatched shapes and a recorded graph go through ATen (silu(gate) * up).
   at::Tensor g64 = at::randn({5}, at::kDouble), u64 = at::randn({5}, at::kDouble);
   EXPECT_TRUE(at::allclose(kernels::silu_mul(g64, u64), at::silu(g64) * u64));

@@ -97,6 +97,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, d
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 /// The same on a given path (float32 CPU tensors of one shape).
 at::Tensor silu_mul_on(Isa isa, const at::Tensor& gate, const at::Tensor& up);
+/// gate = silu_mul(gate, up), the same values, written into gate's own storage where the kernels
+/// take it (a contiguous float32 CPU gate; a prefill's [tokens, intermediate] activation then
+/// needs no third tensor of that size); otherwise gate is rebound to silu_mul's result.
+void silu_mul_into(at::Tensor& gate, const at::Tensor& up);
 
 /// Rotary embedding in HF's rotate_half convention: x * cos + rotate_half(x) * sin, where
 /// rotate_half maps the last dimension's halves (x1, x2) to (-x2, x1). cos and sin have x's rank
