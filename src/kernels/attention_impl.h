@@ -65,22 +65,10 @@ float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-/// Lane j: Vec::sum(acc[j]), bit for bit (Vec::lane_sums where the instruction set has one: the
-/// same additions in the same order, for all lanes at once).
-template <class Vec>
-typename Vec::V lane_sums(const typename Vec::V (&acc)[Vec::kLanes]) {
-  if constexpr (Vec::kLaneSums) {
-    return Vec::lane_sums(acc);
-  } else {
-    float sums[Vec::kLanes];
-    for (int64_t j = 0; j < Vec::kLanes; ++j) sums[j] = Vec::sum(acc[j]);
-    return Vec::load(sums);
-  }
-}
-
 /// The scores of query head g of column s for keys [j, j + kLanes): q . k * scale, -inf for keys
-/// that are not real; as dot() per key, bit for bit, but with the horizontal sums of a whole block
-/// of keys done together (dim a multiple of kLanes).
+/// that are not real; as dot() per key, bit for bit (but +0 where dot() * scale gives -0, which
+/// no softmax can tell), with the horizontal sums of a whole block of keys done together (dim a
+/// multiple of kLanes; used where Vec::lane_sums does them at once).
 template <class Vec>
 void score_block(const HeadGroupAttention& a, int64_t g, int64_t s, int64_t j) {
   using V = typename Vec::V;
@@ -93,7 +81,7 @@ void score_block(const HeadGroupAttention& a, int64_t g, int64_t s, int64_t j) {
     for (int64_t i = 0; i < a.dim; i += L) acc[kk] = Vec::fma(Vec::load(q + i), Vec::load(key + i), acc[kk]);
   }
   float* out = a.scores + g * a.keys + j;
-  Vec::store(out, Vec::fma(lane_sums<Vec>(acc), Vec::set1(a.scale), Vec::zero()));
+  Vec::store(out, Vec::fma(Vec::lane_sums(acc), Vec::set1(a.scale), Vec::zero()));
   for (int64_t kk = 0; kk < L; ++kk)
     if (a.key_real[j + kk] == 0) out[kk] = -INFINITY;
 }
@@ -212,9 +200,11 @@ void attention(const HeadGroupAttention& a) {
       continue;
     }
     int64_t j = 0;
-    if (a.dim % Vec::kLanes == 0)  // blocks of keys, then one key at a time
-      for (; j + Vec::kLanes <= limit; j += Vec::kLanes)
-        for (int64_t g = 0; g < a.groups; ++g) score_block<Vec>(a, g, s, j);
+    if constexpr (Vec::kLaneSums) {  // blocks of keys, then one key at a time
+      if (a.dim % Vec::kLanes == 0)
+        for (; j + Vec::kLanes <= limit; j += Vec::kLanes)
+          for (int64_t g = 0; g < a.groups; ++g) score_block<Vec>(a, g, s, j);
+    }
     for (; j < limit; ++j) {
       const float* key = a.k + j * a.kv_row_stride;
       for (int64_t g = 0; g < a.groups; ++g)

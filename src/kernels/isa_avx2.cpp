@@ -16,7 +16,7 @@ struct Avx2 {
   static constexpr int kOutTile = 4;  // 4 x 2 accumulators + 2 inputs + 1 weight of 16 registers
   static constexpr int kRowTile = 2;
   static constexpr bool kWholeLines = false;
-  static constexpr bool kLaneSums = false;  // lane_sums() in attention_impl.h sums lane by lane
+  static constexpr bool kLaneSums = false;  // no lane_sums(): decode attention sums key by key
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float f) { return _mm256_set1_ps(f); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }

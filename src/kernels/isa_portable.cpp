@@ -16,7 +16,7 @@ struct Portable {
   static constexpr int kOutTile = 4;
   static constexpr int kRowTile = 2;
   static constexpr bool kWholeLines = false;
-  static constexpr bool kLaneSums = false;  // lane_sums() in attention_impl.h sums lane by lane
+  static constexpr bool kLaneSums = false;  // no lane_sums(): decode attention sums key by key
   static V zero() { return V{}; }
   static V set1(float f) {
     V v;

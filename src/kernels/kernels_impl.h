@@ -8,7 +8,8 @@
 //   neg_abs(v) (-|v|), div(a, b), select_negative(c, a, b) (a where c < 0, else b),
 //   kWholeLines and, where it is true, load_line<T>(p, parts) (a 64-byte line of bfloat16 or FP8
 //   weights widened to kLineParts<T> vectors in an order of its own) and split_inputs<T>(p, parts)
-//   (as many floats split into the same order).
+//   (as many floats split into the same order); kLaneSums and, where it is true, lane_sums(acc)
+//   (lane j: sum(acc[j]) for kLanes vectors, the same bits).
 // Included only by those files (see raw_kernels.h); it uses no inline function of another
 // header (a copy compiled with wider instructions could be picked by the linker for every caller).
 
@@ -295,6 +296,9 @@ void linear_outputs(const RowsLinear& a, int64_t o, const float* prepared) {
 /// FP8 row blocks narrower than this keep splitting and scaling the inputs in every tile (a run
 /// per block would prepare the inputs too often).
 constexpr int64_t kMinPreparedBlock = 16;
+/// At most this many floats of prepared inputs per thread (1 MiB; more rows or wider rows split
+/// and scale in every tile, as before): the scratch a thread keeps stays small.
+constexpr int64_t kMaxPreparedFloats = int64_t{1} << 18;
 
 /// Whether a line-wise product prepares its inputs once per run of tiles instead of in every tile:
 /// 16-bit-to-float lines of bfloat16 or FP8 on an instruction set with whole lines, FP8 scales
@@ -306,7 +310,7 @@ bool prepares_inputs(const RowsLinear& a) {
     return false;
   } else {
     constexpr int64_t line = kLineParts<T> * Vec::kLanes;
-    if (a.in < line) return false;
+    if (a.in < line || a.rows * (a.in - a.in % line) > kMaxPreparedFloats) return false;
     if constexpr (is_fp8(T)) {
       if (a.fp8.block_in < a.in) return a.fp8.block_in % line == 0 && a.fp8.block_out >= kMinPreparedBlock;
     }
@@ -317,10 +321,13 @@ bool prepares_inputs(const RowsLinear& a) {
 /// Each row's whole lines split into the line order (Vec::split_inputs) once, and for FP8 blocks
 /// narrower than the row times the scales of output o's row block (as kToInput does per tile, the
 /// same roundings): row r at the result + r * line_end. Per thread, kept for the next call.
-/// This takes the split's 8 permutes (and 4 multiplies of block scales) per line and input row
-/// out of every tile of 4 outputs, about a fifth of an FP8 tile's vector operations: the 85
-/// products of the bench's 100M model with FP8 weights on 4 rows went from 13.4 to 11.9 ms, on 1
-/// row within the noise (memory-bound there).
+/// This takes the split's permutes (E4M3: 8 a line, bf16: 2, E5M2: 4) and FP8's 4 multiplies of
+/// block scales per line and input row out of every tile of 4 outputs, about a fifth of an E4M3
+/// tile's vector operations: the 85 products of the bench's 100M model with FP8 weights on 4 rows
+/// went from 13.4 to 11.9 ms, on 1 row within the noise (memory-bound there). Runs stop at row
+/// blocks' edges, so no tile straddles one any more (those tiles scaled their weights, kToWeights,
+/// and rounded differently from the rest of their blocks, depending on where a thread's range
+/// began); every other output has the same bits as before.
 template <class Vec, WeightType T>
 const float* prepare_inputs(const RowsLinear& a, int64_t o) {
   if constexpr (!Vec::kWholeLines || !(T == WeightType::kBF16 || is_fp8(T))) {
@@ -355,8 +362,11 @@ void rows_linear_typed(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
   const bool per_block = prepare && is_fp8(T) && a.fp8.block_in < a.in;
   int64_t o = o_begin;
   while (o < o_end) {
-    const int64_t block_end = (o / a.fp8.block_out + 1) * a.fp8.block_out;
-    const int64_t run_end = per_block && block_end < o_end ? block_end : o_end;
+    int64_t run_end = o_end;
+    if (per_block) {
+      const int64_t block_end = (o / a.fp8.block_out + 1) * a.fp8.block_out;
+      if (block_end < o_end) run_end = block_end;
+    }
     const float* prepared = prepare ? prepare_inputs<Vec, T>(a, o) : nullptr;
     for (; o + OT <= run_end; o += OT) linear_outputs<Vec, T, OT>(a, o, prepared);
     for (; o < run_end; ++o) linear_outputs<Vec, T, 1>(a, o, prepared);

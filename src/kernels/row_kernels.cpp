@@ -1,10 +1,13 @@
 // The row kernels of kernels_internal.h that are not a matrix product: RMSNorm, rotary, the
-// gated activation and attention over a KV cache laid out by rows.
+// gated activation and attention over a KV cache laid out by rows; and the matrix kernels'
+// per-thread scratch (raw::input_scratch).
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <new>
 #include <vector>
 
 #include "kernels_internal.h"
@@ -14,13 +17,20 @@
 namespace vlmgen::kernels {
 
 float* raw::input_scratch(int64_t n) {
-  struct Aligned {
-    alignas(64) float f[16];
+  // Grown (never shrunk, never copied or zeroed: callers write before they read) per thread.
+  struct Scratch {
+    float* data = nullptr;
+    int64_t size = 0;
+    ~Scratch() { std::free(data); }
   };
-  thread_local std::vector<Aligned> buffer;
-  const size_t blocks = static_cast<size_t>((std::max<int64_t>(n, 0) + 15) / 16);
-  if (buffer.size() < blocks) buffer.resize(blocks);
-  return reinterpret_cast<float*>(buffer.data());
+  thread_local Scratch scratch;
+  if (n > scratch.size) {
+    std::free(scratch.data);
+    scratch.data = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>((n * 4 + 63) / 64 * 64)));
+    scratch.size = scratch.data != nullptr ? n : 0;
+    if (scratch.data == nullptr) throw std::bad_alloc();
+  }
+  return scratch.data;
 }
 
 namespace {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "../kernels/kernels_internal.h"
@@ -44,14 +45,23 @@ void run_linear(kernels::Isa isa, const qwen_vl::Linear& l, const float* x, int6
 /// malloc is 16-byte aligned). A 16-row f32 decode step of the bench's 100M model: 58.8 -> 55.4 ms.
 class AlignedFloats {
  public:
-  float* data() { return reinterpret_cast<float*>(lines_.data()); }
-  void resize(size_t n) { lines_.resize((n + 15) / 16); }
+  AlignedFloats() = default;
+  AlignedFloats(const AlignedFloats&) = delete;
+  AlignedFloats& operator=(const AlignedFloats&) = delete;
+  ~AlignedFloats() { std::free(data_); }
+  float* data() { return data_; }
+  /// At least n floats; grown only, and then not copied (the step writes every float it reads).
+  void resize(size_t n) {
+    if (n <= size_) return;
+    std::free(data_);
+    data_ = static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64));
+    size_ = data_ != nullptr ? n : 0;
+    if (data_ == nullptr) throw std::bad_alloc();
+  }
 
  private:
-  struct alignas(64) Line {
-    float f[16];
-  };
-  std::vector<Line> lines_;
+  float* data_ = nullptr;
+  size_t size_ = 0;
 };
 
 /// The step's working rows: every intermediate of one layer, reused by the next.
