@@ -1,6 +1,6 @@
 // The row kernels of kernels_internal.h that are not a matrix product: RMSNorm, rotary, the
-// gated activation and attention over a KV cache laid out by rows; and the matrix kernels'
-// per-thread scratch (raw::input_scratch).
+// gated activation and attention over a KV cache laid out by rows; and the buffers on whole cache
+// lines (AlignedFloats, raw::input_scratch).
 
 #include <ATen/Parallel.h>
 
@@ -16,21 +16,20 @@
 
 namespace vlmgen::kernels {
 
+internal::AlignedFloats::~AlignedFloats() { std::free(data_); }
+
+void internal::AlignedFloats::resize(size_t n) {
+  if (n <= size_) return;
+  std::free(data_);
+  data_ = static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64));
+  size_ = data_ != nullptr ? n : 0;
+  if (data_ == nullptr) throw std::bad_alloc();
+}
+
 float* raw::input_scratch(int64_t n) {
-  // Grown (never shrunk, never copied or zeroed: callers write before they read) per thread.
-  struct Scratch {
-    float* data = nullptr;
-    int64_t size = 0;
-    ~Scratch() { std::free(data); }
-  };
-  thread_local Scratch scratch;
-  if (n > scratch.size) {
-    std::free(scratch.data);
-    scratch.data = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>((n * 4 + 63) / 64 * 64)));
-    scratch.size = scratch.data != nullptr ? n : 0;
-    if (scratch.data == nullptr) throw std::bad_alloc();
-  }
-  return scratch.data;
+  thread_local internal::AlignedFloats scratch;
+  scratch.resize(static_cast<size_t>(std::max<int64_t>(n, 0)));
+  return scratch.data();
 }
 
 namespace {

@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <new>
 #include <vector>
 
 #include "../kernels/kernels_internal.h"
@@ -40,35 +39,11 @@ void run_linear(kernels::Isa isa, const qwen_vl::Linear& l, const float* x, int6
                   l.fp8, y, l.weight.size(0));
 }
 
-/// Floats on whole 64-byte lines: a row whose width is a multiple of 16 floats starts a cache
-/// line, so the kernels' 64-byte loads never straddle two (std::vector<float>'s storage from
-/// malloc is 16-byte aligned). A 16-row f32 decode step of the bench's 100M model: 58.8 -> 55.4 ms.
-class AlignedFloats {
- public:
-  AlignedFloats() = default;
-  AlignedFloats(const AlignedFloats&) = delete;
-  AlignedFloats& operator=(const AlignedFloats&) = delete;
-  ~AlignedFloats() { std::free(data_); }
-  float* data() { return data_; }
-  /// At least n floats; grown only, and then not copied (the step writes every float it reads).
-  void resize(size_t n) {
-    if (n <= size_) return;
-    std::free(data_);
-    data_ = static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64));
-    size_ = data_ != nullptr ? n : 0;
-    if (data_ == nullptr) throw std::bad_alloc();
-  }
-
- private:
-  float* data_ = nullptr;
-  size_t size_ = 0;
-};
-
 /// The step's working rows: every intermediate of one layer, reused by the next.
 struct Buffers {
-  AlignedFloats h, q, k, v, rotated, attended, out, gate, up;
+  ki::AlignedFloats h, q, k, v, rotated, attended, out, gate, up;
   void size(int64_t t, int64_t hidden, int64_t q_width, int64_t kv_width, int64_t inter) {
-    auto fit = [](AlignedFloats& b, int64_t n) { b.resize(static_cast<size_t>(n)); };
+    auto fit = [](ki::AlignedFloats& b, int64_t n) { b.resize(static_cast<size_t>(n)); };
     fit(h, t * hidden);
     fit(q, t * q_width);
     fit(k, t * kv_width);
