@@ -60,7 +60,7 @@ void rms_norm_rows(const float* x, int64_t rows, int64_t d, const float* w, floa
 /// product rounded, then the sum (as ATen's ops compute it). y must not overlap x.
 void rotary_row(const float* x, const float* cos, const float* sin, int64_t d, float* y);
 
-/// y = silu(gate) * up over n floats (y may be gate or up).
+/// y = silu(gate) * up over n floats (y may be gate or up), on the ATen threads.
 void silu_mul(Isa isa, const float* gate, const float* up, float* y, int64_t n);
 
 /// One query column per batch row over a KV cache laid out [row, kv_head, key, dim]: for each of

@@ -40,13 +40,6 @@ bool silu_mul_fits(const at::Tensor& gate, const at::Tensor& up) {
          up.scalar_type() == at::kFloat && gate.sizes() == up.sizes() && !internal::needs_grad({&gate, &up});
 }
 
-/// y = silu(gate) * up over n floats, split over the ATen threads as every caller splits it.
-void silu_mul_threads(Isa isa, const float* gate, const float* up, float* y, int64_t n) {
-  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
-    internal::silu_mul(isa, gate + begin, up + begin, y + begin, end - begin);
-  });
-}
-
 }  // namespace
 
 at::Tensor silu_mul_on(Isa isa, const at::Tensor& gate, const at::Tensor& up) {
@@ -62,7 +55,7 @@ at::Tensor silu_mul_on(Isa isa, const at::Tensor& gate, const at::Tensor& up) {
   const int64_t n = g.numel();
   const float* gp = g.data_ptr<float>();
   const float* upp = u.data_ptr<float>();
-  silu_mul_threads(isa, gp, upp, y.data_ptr<float>(), n);
+  internal::silu_mul(isa, gp, upp, y.data_ptr<float>(), n);
   return y;
 }
 
@@ -77,7 +70,7 @@ void silu_mul_into(at::Tensor& gate, const at::Tensor& up) {
     return;
   }
   const at::Tensor u = up.contiguous();
-  silu_mul_threads(active_isa(), gate.data_ptr<float>(), u.data_ptr<float>(), gate.data_ptr<float>(), gate.numel());
+  internal::silu_mul(active_isa(), gate.data_ptr<float>(), u.data_ptr<float>(), gate.data_ptr<float>(), gate.numel());
 }
 
 }  // namespace vlmgen::kernels
@@ -116,11 +109,13 @@ void rotary_row(const float* x, const float* cos, const float* sin, int64_t d, f
 }
 
 void silu_mul(Isa isa, const float* gate, const float* up, float* y, int64_t n) {
-  switch (isa) {
-    case Isa::kAvx512: return raw::silu_mul_avx512(gate, up, y, n);
-    case Isa::kAvx2: return raw::silu_mul_avx2(gate, up, y, n);
-    case Isa::kPortable: return raw::silu_mul_portable(gate, up, y, n);
-  }
+  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+    switch (isa) {
+      case Isa::kAvx512: return raw::silu_mul_avx512(gate + begin, up + begin, y + begin, end - begin);
+      case Isa::kAvx2: return raw::silu_mul_avx2(gate + begin, up + begin, y + begin, end - begin);
+      case Isa::kPortable: return raw::silu_mul_portable(gate + begin, up + begin, y + begin, end - begin);
+    }
+  });
 }
 
 void attend_cache(Isa isa, const CacheAttention& a) {

@@ -2,8 +2,6 @@
 
 #include "fused_decode.h"
 
-#include <ATen/Parallel.h>
-
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -172,9 +170,7 @@ at::Tensor fused_decode_layers(const qwen_vl::LanguageModel& lm, const QwenVlCon
     ki::rms_norm_rows(xp, t, hs, w.post_attention_layernorm.data_ptr<float>(), eps, 0.0f, b.h.data());
     run_linear(isa, w.gate_proj, b.h.data(), t, b.gate.data());
     run_linear(isa, w.up_proj, b.h.data(), t, b.up.data());
-    at::parallel_for(0, t * inter, 1 << 14, [&](int64_t begin, int64_t end) {  // as kernels::silu_mul splits it
-      ki::silu_mul(isa, b.gate.data() + begin, b.up.data() + begin, b.gate.data() + begin, end - begin);
-    });
+    ki::silu_mul(isa, b.gate.data(), b.up.data(), b.gate.data(), t * inter);
     run_linear(isa, w.down_proj, b.gate.data(), t, b.out.data());
     add_rows(xp, b.out.data(), t * hs);
   }
