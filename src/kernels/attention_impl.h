@@ -54,6 +54,49 @@ constexpr float kLog2E = 1.44269504088896341f;
 /// Below this e^x is under the smallest normal float; inputs are clamped to it.
 constexpr float kExpLowest = -87.0f;
 
+/// Each of `rows` rows of n floats (in place): softmax(x * scale) = e^(p - top) / total with p
+/// each rounded product x * scale and top the largest (scale > 0: scale * max(x), rounded), the
+/// same two roundings as ATen's softmax of x * scale, so a row's largest term is exactly e^0 (a
+/// row of equal scores, every key masked, is uniform). Arguments below kExpLowest (e^x under the
+/// smallest normal float: masked scores) give exact zeros. A NaN or +inf anywhere makes the row NaN
+/// (through the sum; Vec::max passes NaNs by). The last partial vector goes through a copy padded
+/// with -inf (exp 0), so a row's results do not depend on n's remainder.
+template <class Vec>
+void scaled_softmax(float* x, int64_t rows, int64_t n, float scale) {
+  using V = typename Vec::V;
+  constexpr int64_t L = Vec::kLanes;
+  const V one = Vec::set1(1.0f), factor = Vec::set1(scale), lowest = Vec::set1(-kExpLowest);
+  const int64_t full = n - n % L;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x + r * n;
+    float tail[L];
+    for (int64_t k = 0; k < L; ++k) tail[k] = full + k < n ? row[full + k] : -INFINITY;
+    V top_v = Vec::set1(-INFINITY);
+    for (int64_t j = 0; j < full; j += L) top_v = Vec::max(Vec::load(row + j), top_v);
+    if (full < n) top_v = Vec::max(Vec::load(tail), top_v);
+    float lanes[L];
+    Vec::store(lanes, top_v);
+    float top = -INFINITY;
+    for (float v : lanes) top = v > top ? v : top;
+    const V shift = Vec::set1(-(top * scale));
+    V sums = Vec::zero();
+    auto exponent = [&](const float* in, float* out) {
+      const V t = Vec::fma(Vec::fma(Vec::load(in), factor, Vec::zero()), one, shift);
+      const V e = Vec::select_negative(Vec::fma(t, one, lowest), Vec::zero(), Vec::exp(t));
+      Vec::store(out, e);
+      sums = Vec::fma(e, one, sums);
+    };
+    for (int64_t j = 0; j < full; j += L) exponent(row + j, row + j);
+    if (full < n) exponent(tail, tail);
+    const V inv = Vec::set1(1.0f / Vec::sum(sums));
+    for (int64_t j = 0; j < full; j += L) Vec::store(row + j, Vec::fma(Vec::load(row + j), inv, Vec::zero()));
+    if (full < n) {
+      Vec::store(tail, Vec::fma(Vec::load(tail), inv, Vec::zero()));
+      for (int64_t k = full; k < n; ++k) row[k] = tail[k - full];
+    }
+  }
+}
+
 template <class Vec>
 float dot(const float* a, const float* b, int64_t n) {
   constexpr int64_t L = Vec::kLanes;

@@ -50,6 +50,7 @@ struct Avx2 {
   }
   static V neg_abs(V v) { return _mm256_or_ps(v, _mm256_set1_ps(-0.0f)); }
   static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static V select_negative(V c, V a, V b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(c, zero(), _CMP_LT_OQ)); }
 };
 
@@ -59,6 +60,7 @@ void rows_linear_avx2(const RowsLinear& a, int64_t o_begin, int64_t o_end) { row
 void attention_avx2(const HeadGroupAttention& a) { attention<Avx2>(a); }
 void widen_avx2(const WidenArgs& a, int64_t begin, int64_t end) { widen<Avx2>(a, begin, end); }
 void silu_mul_avx2(const float* gate, const float* up, float* y, int64_t n) { silu_mul<Avx2>(gate, up, y, n); }
+void scaled_softmax_avx2(float* x, int64_t rows, int64_t n, float scale) { scaled_softmax<Avx2>(x, rows, n, scale); }
 
 bool avx2_compiled() { return true; }
 
@@ -71,6 +73,7 @@ void rows_linear_avx2(const RowsLinear& a, int64_t o_begin, int64_t o_end) { row
 void attention_avx2(const HeadGroupAttention& a) { attention_portable(a); }
 void widen_avx2(const WidenArgs& a, int64_t begin, int64_t end) { widen_portable(a, begin, end); }
 void silu_mul_avx2(const float* gate, const float* up, float* y, int64_t n) { silu_mul_portable(gate, up, y, n); }
+void scaled_softmax_avx2(float* x, int64_t rows, int64_t n, float scale) { scaled_softmax_portable(x, rows, n, scale); }
 bool avx2_compiled() { return false; }
 }  // namespace vlmgen::kernels::raw
 #endif

@@ -149,6 +149,7 @@ struct Avx512 {
         _mm512_or_si512(_mm512_castps_si512(v), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
   }
   static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static V select_negative(V c, V a, V b) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, zero(), _CMP_LT_OQ), b, a);
   }
@@ -160,6 +161,9 @@ void rows_linear_avx512(const RowsLinear& a, int64_t o_begin, int64_t o_end) { r
 void attention_avx512(const HeadGroupAttention& a) { attention<Avx512>(a); }
 void widen_avx512(const WidenArgs& a, int64_t begin, int64_t end) { widen<Avx512>(a, begin, end); }
 void silu_mul_avx512(const float* gate, const float* up, float* y, int64_t n) { silu_mul<Avx512>(gate, up, y, n); }
+void scaled_softmax_avx512(float* x, int64_t rows, int64_t n, float scale) {
+  scaled_softmax<Avx512>(x, rows, n, scale);
+}
 
 bool avx512_compiled() { return true; }
 
@@ -174,6 +178,9 @@ void rows_linear_avx512(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
 void attention_avx512(const HeadGroupAttention& a) { attention_portable(a); }
 void widen_avx512(const WidenArgs& a, int64_t begin, int64_t end) { widen_portable(a, begin, end); }
 void silu_mul_avx512(const float* gate, const float* up, float* y, int64_t n) { silu_mul_portable(gate, up, y, n); }
+void scaled_softmax_avx512(float* x, int64_t rows, int64_t n, float scale) {
+  scaled_softmax_portable(x, rows, n, scale);
+}
 bool avx512_compiled() { return false; }
 }  // namespace vlmgen::kernels::raw
 #endif

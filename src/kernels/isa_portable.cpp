@@ -72,6 +72,10 @@ struct Portable {
     for (int i = 0; i < 8; ++i) a.lane[i] /= b.lane[i];
     return a;
   }
+  static V max(V a, V b) {  // as maxps: b where either is NaN
+    for (int i = 0; i < 8; ++i) a.lane[i] = a.lane[i] > b.lane[i] ? a.lane[i] : b.lane[i];
+    return a;
+  }
   static V select_negative(V c, V a, V b) {
     for (int i = 0; i < 8; ++i) b.lane[i] = c.lane[i] < 0 ? a.lane[i] : b.lane[i];
     return b;
@@ -86,5 +90,8 @@ void rows_linear_portable(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
 void attention_portable(const HeadGroupAttention& a) { attention<Portable>(a); }
 void widen_portable(const WidenArgs& a, int64_t begin, int64_t end) { widen<Portable>(a, begin, end); }
 void silu_mul_portable(const float* gate, const float* up, float* y, int64_t n) { silu_mul<Portable>(gate, up, y, n); }
+void scaled_softmax_portable(float* x, int64_t rows, int64_t n, float scale) {
+  scaled_softmax<Portable>(x, rows, n, scale);
+}
 
 }  // namespace vlmgen::kernels::raw

@@ -5,7 +5,8 @@
 //   V, kLanes, kOutTile, kRowTile, zero(), set1(f), load(const float*), load_bf16(const uint16_t*),
 //   load_f16(const uint16_t*), fma(a, b, acc) (a * b + acc), sum(v), store(float*, v),
 //   exp(v) (e^v for v <= 0, relative error below 2e-7; inputs below -87 give about 1e-38),
-//   neg_abs(v) (-|v|), div(a, b), select_negative(c, a, b) (a where c < 0, else b),
+//   neg_abs(v) (-|v|), div(a, b), max(a, b) (maxps: b where either is NaN), select_negative(c, a, b)
+//   (a where c < 0, else b),
 //   kWholeLines and, where it is true, load_line<T>(p, parts) (a 64-byte line of bfloat16 or FP8
 //   weights widened to kLineParts<T> vectors in an order of its own) and split_inputs<T>(p, parts)
 //   (as many floats split into the same order); kLaneSums and, where it is true, lane_sums(acc)

@@ -63,6 +63,9 @@ void rotary_row(const float* x, const float* cos, const float* sin, int64_t d, f
 /// y = silu(gate) * up over n floats (y may be gate or up), on the ATen threads.
 void silu_mul(Isa isa, const float* gate, const float* up, float* y, int64_t n);
 
+/// softmax(x * scale) of each of `rows` rows of n floats, in place (scale > 0), on the ATen threads.
+void scaled_softmax(Isa isa, float* x, int64_t rows, int64_t n, float scale);
+
 /// One query column per batch row over a KV cache laid out [row, kv_head, key, dim]: for each of
 /// `rows` rows and kv_heads KV heads, the `heads / kv_heads` query heads of the group attend over
 /// keys [0, keys) of that row (key_real[row * keys + j] nonzero: a real key; query sees keys

@@ -91,6 +91,11 @@ void silu_mul_portable(const float* gate, const float* up, float* y, int64_t n);
 void silu_mul_avx2(const float* gate, const float* up, float* y, int64_t n);
 void silu_mul_avx512(const float* gate, const float* up, float* y, int64_t n);
 
+/// Each of `rows` rows of n floats at x = softmax(x * scale) in place (scale > 0).
+void scaled_softmax_portable(float* x, int64_t rows, int64_t n, float scale);
+void scaled_softmax_avx2(float* x, int64_t rows, int64_t n, float scale);
+void scaled_softmax_avx512(float* x, int64_t rows, int64_t n, float scale);
+
 void attention_portable(const HeadGroupAttention& a);
 void attention_avx2(const HeadGroupAttention& a);
 void attention_avx512(const HeadGroupAttention& a);

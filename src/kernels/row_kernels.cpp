@@ -73,6 +73,39 @@ void silu_mul_into(at::Tensor& gate, const at::Tensor& up) {
   internal::silu_mul(active_isa(), gate.data_ptr<float>(), u.data_ptr<float>(), gate.data_ptr<float>(), gate.numel());
 }
 
+namespace {
+
+/// A float32 CPU tensor autograd does not record, the kernels enabled, a positive finite scale.
+bool softmax_fits(const at::Tensor& x, double scale) {
+  return enabled() && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && scale > 0 &&
+         std::isfinite(scale) && !internal::needs_grad({&x});
+}
+
+}  // namespace
+
+at::Tensor scaled_softmax_on(Isa isa, const at::Tensor& x, double scale) {
+  VLMGEN_CHECK(internal::cpu_has(isa), "kernels::scaled_softmax: this CPU cannot run the {} path", isa_name(isa));
+  VLMGEN_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && !internal::needs_grad({&x}),
+               "kernels::scaled_softmax: a float32 CPU tensor of at least one dimension that autograd does not "
+               "record, got {} {}",
+               at::toString(x.scalar_type()), detail::shape_str(x));
+  VLMGEN_CHECK(scale > 0 && std::isfinite(scale), "kernels::scaled_softmax: a positive finite scale, got {}", scale);
+  at::Tensor y = x.contiguous().clone();
+  const int64_t n = x.size(-1);
+  if (y.numel() > 0) internal::scaled_softmax(isa, y.data_ptr<float>(), y.numel() / n, n, static_cast<float>(scale));
+  return y;
+}
+
+void scaled_softmax_into(at::Tensor& x, double scale) {
+  if (!softmax_fits(x, scale) || !x.is_contiguous()) {
+    x = at::softmax(x * scale, -1);
+    return;
+  }
+  const int64_t n = x.size(-1);
+  if (x.numel() > 0)
+    internal::scaled_softmax(active_isa(), x.data_ptr<float>(), x.numel() / n, n, static_cast<float>(scale));
+}
+
 }  // namespace vlmgen::kernels
 
 namespace vlmgen::kernels::internal {
@@ -116,6 +149,18 @@ void silu_mul(Isa isa, const float* gate, const float* up, float* y, int64_t n) 
       case Isa::kPortable: return raw::silu_mul_portable(gate + begin, up + begin, y + begin, end - begin);
     }
   });
+}
+
+void scaled_softmax(Isa isa, float* x, int64_t rows, int64_t n, float scale) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(n, 1)),
+                   [&](int64_t begin, int64_t end) {
+                     float* first = x + begin * n;
+                     switch (isa) {
+                       case Isa::kAvx512: return raw::scaled_softmax_avx512(first, end - begin, n, scale);
+                       case Isa::kAvx2: return raw::scaled_softmax_avx2(first, end - begin, n, scale);
+                       case Isa::kPortable: return raw::scaled_softmax_portable(first, end - begin, n, scale);
+                     }
+                   });
 }
 
 void attend_cache(Isa isa, const CacheAttention& a) {

@@ -85,9 +85,10 @@ at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, Visibility vi
       seen = seen.logical_or(gq.eq(gk).logical_and(gq.ge(0)));
     }
     at::Tensor q4 = q.narrow(2, c0, n).reshape({b, kv, groups * n, d});
-    at::Tensor scores = at::matmul(q4, kt).mul_(vis.scale);  // [B, kv, g * n, K]
+    at::Tensor scores = at::matmul(q4, kt);  // [B, kv, g * n, K]
     scores.view({b, kv, groups, n, keys}).masked_fill_(seen.logical_not().view({b, 1, 1, n, keys}), blocked_score);
-    parts.push_back(at::matmul(at::softmax(scores, -1), v).view({b, heads, n, d}));
+    kernels::scaled_softmax_into(scores, vis.scale);  // masked: lowest * scale, e^-huge = 0
+    parts.push_back(at::matmul(scores, v).view({b, heads, n, d}));
   }
   return parts.size() == 1 ? parts[0] : at::cat(parts, 2);
 }

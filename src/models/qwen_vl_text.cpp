@@ -95,9 +95,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor query_cols = at::arange(w.window_start + c0, w.window_start + c0 + n, long_opts).unsqueeze(1);
     const at::Tensor blocked = key_cols.le(query_cols).unsqueeze(0).logical_and(w.key_real.unsqueeze(1)).logical_not();
     at::Tensor q4 = q.narrow(2, c0, n).reshape({b, kv_heads, groups * n, head_dim});
-    at::Tensor scores = at::matmul(q4, kt).mul_(w.scale);  // [B, kv, g * n, K]
+    at::Tensor scores = at::matmul(q4, kt);  // [B, kv, g * n, K]
     scores.view({b, kv_heads, groups, n, keys}).masked_fill_(blocked.view({b, 1, 1, n, keys}), blocked_score);
-    parts.push_back(at::matmul(at::softmax(scores, -1), v).view({b, heads, n, head_dim}));  // [B, heads, n, D]
+    kernels::scaled_softmax_into(scores, w.scale);                         // masked: lowest * scale, e^-huge = 0
+    parts.push_back(at::matmul(scores, v).view({b, heads, n, head_dim}));  // [B, heads, n, D]
   }
   return parts.size() == 1 ? parts[0] : at::cat(parts, 2);
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "qwen_vl_ops.h"
+#include "vlmgen/kernels/cpu.h"
 #include "vlmgen/logging.h"
 #include "vlmgen/models/vit_layer.h"
 #include "vlmgen/parallel.h"
@@ -100,7 +101,9 @@ inline at::Tensor run_encoder_layer(const at::Tensor& x, const vit::EncoderLayer
   std::vector<at::Tensor> parts;
   for (int64_t c0 = 0; c0 < p; c0 += kVitQueryChunk) {
     const int64_t n = std::min(kVitQueryChunk, p - c0);
-    parts.push_back(at::matmul(at::softmax(at::matmul(q.narrow(2, c0, n), kt).mul_(scale), -1), v));
+    at::Tensor probs = at::matmul(q.narrow(2, c0, n), kt);
+    kernels::scaled_softmax_into(probs, scale);
+    parts.push_back(at::matmul(probs, v));
   }
   const at::Tensor attended = parts.size() == 1 ? parts[0] : at::cat(parts, 2);
   at::Tensor y = x + apply_row_parallel(attended.transpose(1, 2).reshape({t, p, local_heads * d}), l.out_proj, comm);

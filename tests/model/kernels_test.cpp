@@ -406,5 +406,80 @@ TEST(CpuKernels, SiluMulMatchesFloat64OnEveryPathWithoutOverflowAndWhereverTheRa
   EXPECT_THROW(kernels::silu_mul_on(kernels::supported_isas().front(), at::randn({4}), at::randn({5})), Error);
 }
 
+TEST(CpuKernels, ScaledSoftmaxMatchesFloat64OnEveryPathWithMaskedScoresAndEdgeRows) {
+  at::manual_seed(17);
+  // Row lengths with and without a partial last vector; scales of head_dim 64 (a power of two) and
+  // 80; scores up to +-60 after scaling, some masked as the attention masks them (lowest float).
+  for (int64_t n : {1, 7, 16, 37, 1024 + 5}) {
+    for (double scale : {0.125, 1.0 / std::sqrt(80.0)}) {
+      at::Tensor x = at::randn({5, n}) * 40;
+      x.select(0, 1).narrow(0, 0, (n + 1) / 2).fill_(std::numeric_limits<float>::lowest());
+      // ATen's two roundings (the product, its difference from the row's largest), then exact.
+      const at::Tensor product = x * scale;
+      const at::Tensor shifted = (product - std::get<0>(product.max(-1, true))).to(at::kDouble);
+      const at::Tensor want = at::softmax(shifted, -1);
+      for (Isa isa : kernels::supported_isas()) {
+        SCOPED_TRACE(testing::Message() << kernels::isa_name(isa) << " n " << n << " scale " << scale);
+        const at::Tensor got = kernels::scaled_softmax_on(isa, x, scale);
+        ASSERT_EQ(got.sizes(), x.sizes());
+        ASSERT_FALSE(got.isnan().any().item<bool>());
+        // Probabilities whose exponent's argument is above -87 within 1e-6 relative; below, e^x is
+        // under 1.7e-38 of the row's largest term and the kernel gives 0.
+        const at::Tensor visible = shifted.gt(-87);
+        EXPECT_LT(relative_error(got.to(at::kDouble).masked_select(visible), want.masked_select(visible),
+                                 want.masked_select(visible)),
+                  1e-6);
+        EXPECT_TRUE(got.masked_select(visible.logical_not()).eq(0).all().item<bool>());
+        EXPECT_TRUE(got.select(0, 1).narrow(0, 0, (n + 1) / 2).eq(0).all().item<bool>() || n == 1);
+        // A row's result does not depend on the other rows (the rows split over threads).
+        EXPECT_TRUE(at::equal(kernels::scaled_softmax_on(isa, x.narrow(0, 3, 1), scale), got.narrow(0, 3, 1)));
+      }
+    }
+  }
+  for (Isa isa : kernels::supported_isas()) {
+    SCOPED_TRACE(kernels::isa_name(isa));
+    // Every key masked: a uniform row (not NaN), as ATen gives; with the scale of head_dim 80 the
+    // rounded product of the masked score is the row's largest exactly, so its term is e^0.
+    const at::Tensor masked = at::full({2, 21}, std::numeric_limits<float>::lowest());
+    EXPECT_TRUE(
+        at::allclose(kernels::scaled_softmax_on(isa, masked, 1.0 / std::sqrt(80.0)), at::full({2, 21}, 1.0 / 21)));
+    // A NaN or +inf score makes its row NaN (as ATen's softmax), the other rows untouched.
+    at::Tensor odd = at::randn({3, 19});
+    odd[0][5] = std::numeric_limits<float>::quiet_NaN();
+    odd[1][18] = std::numeric_limits<float>::infinity();
+    const at::Tensor got = kernels::scaled_softmax_on(isa, odd, 0.5);
+    EXPECT_TRUE(got.narrow(0, 0, 2).isnan().all().item<bool>());
+    EXPECT_TRUE(at::allclose(got.select(0, 2), at::softmax(odd.select(0, 2) * 0.5, -1), 1e-6, 1e-7));
+  }
+  // scaled_softmax_into: the active path's bits in x's own storage; a strided x, another dtype or a
+  // recorded graph go through ATen.
+  {
+    const at::Tensor x = at::randn({6, 4, 37}) * 10;
+    at::Tensor into = x.clone();
+    const void* storage = into.data_ptr();
+    kernels::scaled_softmax_into(into, 0.125);
+    if (kernels::enabled()) {  // VLMGEN_CPU_ISA=aten: ATen's result
+      EXPECT_EQ(into.data_ptr(), storage);
+      EXPECT_TRUE(at::equal(into, kernels::scaled_softmax_on(kernels::active_isa(), x, 0.125)));
+    }
+    EXPECT_TRUE(at::allclose(into, at::softmax(x * 0.125, -1), 1e-6, 1e-7));
+    at::Tensor strided = x.transpose(0, 2).contiguous().transpose(0, 2);
+    ASSERT_FALSE(strided.is_contiguous());
+    kernels::scaled_softmax_into(strided, 0.125);
+    EXPECT_TRUE(at::allclose(strided, at::softmax(x * 0.125, -1), 1e-6, 1e-7));
+    at::Tensor x64 = x.to(at::kDouble);
+    kernels::scaled_softmax_into(x64, 0.125);
+    EXPECT_TRUE(at::allclose(x64, at::softmax(x.to(at::kDouble) * 0.125, -1)));
+    at::Tensor leaf = x.clone().requires_grad_();
+    at::Tensor graph = leaf * 1.0;
+    kernels::scaled_softmax_into(graph, 0.125);
+    ASSERT_TRUE(graph.requires_grad());
+    graph.select(-1, 0).sum().backward();
+    EXPECT_TRUE(leaf.grad().defined());
+  }
+  EXPECT_THROW(kernels::scaled_softmax_on(kernels::supported_isas().front(), at::randn({4}), 0.0), Error);
+  EXPECT_THROW(kernels::scaled_softmax_on(kernels::supported_isas().front(), at::randn({4}, at::kDouble), 1.0), Error);
+}
+
 }  // namespace
 }  // namespace vlmgen

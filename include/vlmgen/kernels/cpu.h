@@ -102,6 +102,17 @@ at::Tensor silu_mul_on(Isa isa, const at::Tensor& gate, const at::Tensor& up);
 /// needs no third tensor of that size); otherwise gate is rebound to silu_mul's result.
 void silu_mul_into(at::Tensor& gate, const at::Tensor& up);
 
+/// x = softmax(x * scale) over the last dimension (attention's scores times 1 / sqrt(head_dim)),
+/// in x's own storage where the kernels take it: a contiguous float32 CPU tensor autograd does not
+/// record, scale positive and finite. The same two roundings as ATen's softmax of x * scale (each
+/// product, then its difference from the row's largest) and one exponential (within 2e-7
+/// relative; arguments below -87, masked scores, give exact zeros); each probability within
+/// 1e-6 relative of float64's for arguments above -87. Anything else, and VLMGEN_CPU_ISA=aten:
+/// x is rebound to at::softmax(x * scale, -1).
+void scaled_softmax_into(at::Tensor& x, double scale);
+/// The same on a given path, into a new tensor (float32 CPU).
+at::Tensor scaled_softmax_on(Isa isa, const at::Tensor& x, double scale);
+
 /// Rotary embedding in HF's rotate_half convention: x * cos + rotate_half(x) * sin, where
 /// rotate_half maps the last dimension's halves (x1, x2) to (-x2, x1). cos and sin have x's rank
 /// and broadcast to it (e.g. x [B, heads, S, D] with [B, 1, S, D]). Float32 CPU tensors run in one
