@@ -1,7 +1,7 @@
 #pragma once
 
 // The kernels that are not matrix products, over the same `Vec` as kernels_impl.h (see there):
-// exp, the gated activation and decode attention. Included only by the instruction-set files,
+// exp, the gated activation, the scaled softmax and decode attention. Included only by the instruction-set files,
 // before their Vec (whose exp() uses exp_reduced and the constants here); like kernels_impl.h it
 // uses no inline function of another header.
 
@@ -65,7 +65,7 @@ template <class Vec>
 void scaled_softmax(float* x, int64_t rows, int64_t n, float scale) {
   using V = typename Vec::V;
   constexpr int64_t L = Vec::kLanes;
-  const V one = Vec::set1(1.0f), factor = Vec::set1(scale), lowest = Vec::set1(-kExpLowest);
+  const V one = Vec::set1(1.0f), factor = Vec::set1(scale), floor_offset = Vec::set1(-kExpLowest);
   const int64_t full = n - n % L;
   for (int64_t r = 0; r < rows; ++r) {
     float* row = x + r * n;
@@ -82,7 +82,7 @@ void scaled_softmax(float* x, int64_t rows, int64_t n, float scale) {
     V sums = Vec::zero();
     auto exponent = [&](const float* in, float* out) {
       const V t = Vec::fma(Vec::fma(Vec::load(in), factor, Vec::zero()), one, shift);
-      const V e = Vec::select_negative(Vec::fma(t, one, lowest), Vec::zero(), Vec::exp(t));
+      const V e = Vec::select_negative(Vec::fma(t, one, floor_offset), Vec::zero(), Vec::exp(t));  // t < -87: 0
       Vec::store(out, e);
       sums = Vec::fma(e, one, sums);
     };

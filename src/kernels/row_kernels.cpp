@@ -1,5 +1,5 @@
 // The row kernels of kernels_internal.h that are not a matrix product: RMSNorm, rotary, the
-// gated activation and attention over a KV cache laid out by rows; and the buffers on whole cache
+// gated activation, the scaled softmax and attention over a KV cache laid out by rows; and the buffers on whole cache
 // lines (AlignedFloats, raw::input_scratch).
 
 #include <ATen/Parallel.h>
@@ -33,6 +33,12 @@ float* raw::input_scratch(int64_t n) {
 }
 
 namespace {
+
+/// After a kernel wrote into x's storage: autograd's version counter moves on as for ATen's own
+/// in-place ops (a node that saved x then refuses to run backward instead of using the new values).
+void mark_written(at::Tensor& x) {
+  if (!x.is_inference()) x.unsafeGetTensorImpl()->bump_version();
+}
 
 /// Float32 CPU gate and up of one shape that autograd does not record, the kernels enabled.
 bool silu_mul_fits(const at::Tensor& gate, const at::Tensor& up) {
@@ -71,14 +77,21 @@ void silu_mul_into(at::Tensor& gate, const at::Tensor& up) {
   }
   const at::Tensor u = up.contiguous();
   internal::silu_mul(active_isa(), gate.data_ptr<float>(), u.data_ptr<float>(), gate.data_ptr<float>(), gate.numel());
+  mark_written(gate);
 }
 
 namespace {
 
-/// A float32 CPU tensor autograd does not record, the kernels enabled, a positive finite scale.
+/// A scale that is positive and finite as a float (the kernel's).
+bool usable_scale(double scale) {
+  const float f = static_cast<float>(scale);
+  return f > 0 && std::isfinite(f);
+}
+
+/// A float32 CPU tensor autograd does not record, the kernels enabled, a usable scale.
 bool softmax_fits(const at::Tensor& x, double scale) {
-  return enabled() && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && scale > 0 &&
-         std::isfinite(scale) && !internal::needs_grad({&x});
+  return enabled() && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && usable_scale(scale) &&
+         !internal::needs_grad({&x});
 }
 
 }  // namespace
@@ -87,10 +100,11 @@ at::Tensor scaled_softmax_on(Isa isa, const at::Tensor& x, double scale) {
   VLMGEN_CHECK(internal::cpu_has(isa), "kernels::scaled_softmax: this CPU cannot run the {} path", isa_name(isa));
   VLMGEN_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && !internal::needs_grad({&x}),
                "kernels::scaled_softmax: a float32 CPU tensor of at least one dimension that autograd does not "
-               "record, got {} {}",
-               at::toString(x.scalar_type()), detail::shape_str(x));
-  VLMGEN_CHECK(scale > 0 && std::isfinite(scale), "kernels::scaled_softmax: a positive finite scale, got {}", scale);
-  at::Tensor y = x.contiguous().clone();
+               "record, got {} {} on {}{}",
+               at::toString(x.scalar_type()), detail::shape_str(x), x.device().str(),
+               x.requires_grad() ? " that requires grad" : "");
+  VLMGEN_CHECK(usable_scale(scale), "kernels::scaled_softmax: a scale positive and finite as a float32, got {}", scale);
+  at::Tensor y = x.clone(at::MemoryFormat::Contiguous);
   const int64_t n = x.size(-1);
   if (y.numel() > 0) internal::scaled_softmax(isa, y.data_ptr<float>(), y.numel() / n, n, static_cast<float>(scale));
   return y;
@@ -104,6 +118,7 @@ void scaled_softmax_into(at::Tensor& x, double scale) {
   const int64_t n = x.size(-1);
   if (x.numel() > 0)
     internal::scaled_softmax(active_isa(), x.data_ptr<float>(), x.numel() / n, n, static_cast<float>(scale));
+  mark_written(x);
 }
 
 }  // namespace vlmgen::kernels

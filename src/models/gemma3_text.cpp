@@ -70,7 +70,8 @@ at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, Visibility vi
   if (q.device().is_cpu() && s == 1 && !vis.groups.defined() && kernels::enabled() && !at::GradMode::is_enabled()) {
     return kernels::decode_attention(q, k, v, vis.key_real, vis.window_start - vis.key_begin, vis.scale);
   }
-  const double blocked_score = std::numeric_limits<float>::lowest();
+  // Scaled in the softmax (lowest * scale), so divided by any scale above 1 to stay finite.
+  const double blocked_score = std::numeric_limits<float>::lowest() / std::max(1.0, vis.scale);
   const at::Tensor kt = k.transpose(-1, -2);
   std::vector<at::Tensor> parts;
   for (int64_t c0 = 0; c0 < s; c0 += kAttentionChunk) {

@@ -136,7 +136,8 @@ constexpr int64_t kQueryChunk = 128;
 
 /// Attention of `q`, `k`, `v` [N, heads, head_dim] within each segment of rows: [N, heads * head_dim].
 /// In chunks of query rows, so the scores stay small (a 448x448 picture's 1024 patches and 6
-/// heads made two 25 MB tensors per layer, freshly mapped and faulted in each time): the bench's
+/// heads made three 25 MB tensors per layer: scores, scaled, softmaxed; each freshly mapped and
+/// faulted in): the bench's
 /// image time to first token (100M model, 4-layer tower, that picture) went from 0.71 to 0.60-0.64
 /// s, 64 or 256 rows within the noise of 128.
 at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Segments& segments,

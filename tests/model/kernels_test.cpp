@@ -388,6 +388,13 @@ TEST(CpuKernels, SiluMulMatchesFloat64OnEveryPathWithoutOverflowAndWhereverTheRa
       EXPECT_EQ(into.data_ptr(), storage);
     }
     EXPECT_TRUE(at::equal(into, kernels::silu_mul(gate, up)));
+    if (kernels::enabled()) {  // in place: a node that saved the gate refuses to run backward
+      at::Tensor w = at::randn({3, 4096 + 5}).requires_grad_();
+      at::Tensor saved = gate.clone();
+      at::Tensor product = w * saved;
+      kernels::silu_mul_into(saved, up);
+      EXPECT_ANY_THROW(product.sum().backward());
+    }
     at::Tensor strided = gate.clone().t();
     kernels::silu_mul_into(strided, up.t());
     EXPECT_TRUE(at::equal(strided, kernels::silu_mul(gate.t(), up.t())));
@@ -409,10 +416,11 @@ TEST(CpuKernels, SiluMulMatchesFloat64OnEveryPathWithoutOverflowAndWhereverTheRa
 TEST(CpuKernels, ScaledSoftmaxMatchesFloat64OnEveryPathWithMaskedScoresAndEdgeRows) {
   at::manual_seed(17);
   // Row lengths with and without a partial last vector; scales of head_dim 64 (a power of two) and
-  // 80; scores up to +-60 after scaling, some masked as the attention masks them (lowest float).
+  // 80; scores of standard deviation 18-20 after scaling (long rows span more than 87 below their
+  // largest), some masked as the attention masks them (lowest float).
   for (int64_t n : {1, 7, 16, 37, 1024 + 5}) {
     for (double scale : {0.125, 1.0 / std::sqrt(80.0)}) {
-      at::Tensor x = at::randn({5, n}) * 40;
+      at::Tensor x = at::randn({5, n}) * 160;
       x.select(0, 1).narrow(0, 0, (n + 1) / 2).fill_(std::numeric_limits<float>::lowest());
       // ATen's two roundings (the product, its difference from the row's largest), then exact.
       const at::Tensor product = x * scale;
@@ -425,15 +433,25 @@ TEST(CpuKernels, ScaledSoftmaxMatchesFloat64OnEveryPathWithMaskedScoresAndEdgeRo
         ASSERT_FALSE(got.isnan().any().item<bool>());
         // Probabilities whose exponent's argument is above -87 within 1e-6 relative; below, e^x is
         // under 1.7e-38 of the row's largest term and the kernel gives 0.
-        const at::Tensor visible = shifted.gt(-87);
+        const at::Tensor visible = shifted.ge(-87);
         EXPECT_LT(relative_error(got.to(at::kDouble).masked_select(visible), want.masked_select(visible),
                                  want.masked_select(visible)),
                   1e-6);
         EXPECT_TRUE(got.masked_select(visible.logical_not()).eq(0).all().item<bool>());
         EXPECT_TRUE(got.select(0, 1).narrow(0, 0, (n + 1) / 2).eq(0).all().item<bool>() || n == 1);
-        // A row's result does not depend on the other rows (the rows split over threads).
         EXPECT_TRUE(at::equal(kernels::scaled_softmax_on(isa, x.narrow(0, 3, 1), scale), got.narrow(0, 3, 1)));
       }
+    }
+  }
+  // A row's result does not depend on the other rows or on where the rows split over threads (256
+  // rows of 1029 split into tasks of 15 rows).
+  {
+    const at::Tensor x = at::randn({256, 1029}) * 30;
+    for (Isa isa : kernels::supported_isas()) {
+      const at::Tensor all = kernels::scaled_softmax_on(isa, x, 0.125);
+      for (int64_t r : {0, 14, 15, 16, 200, 255})
+        EXPECT_TRUE(at::equal(kernels::scaled_softmax_on(isa, x.narrow(0, r, 1), 0.125), all.narrow(0, r, 1)))
+            << kernels::isa_name(isa) << " row " << r;
     }
   }
   for (Isa isa : kernels::supported_isas()) {
@@ -441,8 +459,7 @@ TEST(CpuKernels, ScaledSoftmaxMatchesFloat64OnEveryPathWithMaskedScoresAndEdgeRo
     // Every key masked: a uniform row (not NaN), as ATen gives; with the scale of head_dim 80 the
     // rounded product of the masked score is the row's largest exactly, so its term is e^0.
     const at::Tensor masked = at::full({2, 21}, std::numeric_limits<float>::lowest());
-    EXPECT_TRUE(
-        at::allclose(kernels::scaled_softmax_on(isa, masked, 1.0 / std::sqrt(80.0)), at::full({2, 21}, 1.0 / 21)));
+    EXPECT_TRUE(at::equal(kernels::scaled_softmax_on(isa, masked, 1.0 / std::sqrt(80.0)), at::full({2, 21}, 1.0 / 21)));
     // A NaN or +inf score makes its row NaN (as ATen's softmax), the other rows untouched.
     at::Tensor odd = at::randn({3, 19});
     odd[0][5] = std::numeric_limits<float>::quiet_NaN();
@@ -470,12 +487,22 @@ TEST(CpuKernels, ScaledSoftmaxMatchesFloat64OnEveryPathWithMaskedScoresAndEdgeRo
     at::Tensor x64 = x.to(at::kDouble);
     kernels::scaled_softmax_into(x64, 0.125);
     EXPECT_TRUE(at::allclose(x64, at::softmax(x.to(at::kDouble) * 0.125, -1)));
-    at::Tensor leaf = x.clone().requires_grad_();
+    // Recorded by autograd: ATen's softmax, with its gradient.
+    at::Tensor leaf = x.clone().requires_grad_(), reference = x.clone().requires_grad_();
     at::Tensor graph = leaf * 1.0;
     kernels::scaled_softmax_into(graph, 0.125);
     ASSERT_TRUE(graph.requires_grad());
     graph.select(-1, 0).sum().backward();
-    EXPECT_TRUE(leaf.grad().defined());
+    at::softmax(reference * 1.0 * 0.125, -1).select(-1, 0).sum().backward();
+    EXPECT_TRUE(at::equal(leaf.grad(), reference.grad()));
+    // In place, autograd's version counter moves on: a node that saved the tensor refuses to run.
+    if (kernels::enabled()) {
+      at::Tensor w = at::randn({6, 4, 37}).requires_grad_();
+      at::Tensor saved = x.clone();
+      at::Tensor product = w * saved;  // saves `saved` for w's gradient
+      kernels::scaled_softmax_into(saved, 0.125);
+      EXPECT_ANY_THROW(product.sum().backward());
+    }
   }
   EXPECT_THROW(kernels::scaled_softmax_on(kernels::supported_isas().front(), at::randn({4}), 0.0), Error);
   EXPECT_THROW(kernels::scaled_softmax_on(kernels::supported_isas().front(), at::randn({4}, at::kDouble), 1.0), Error);

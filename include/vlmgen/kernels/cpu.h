@@ -2,7 +2,8 @@
 
 // CPU kernels of the decode step: a linear for a few rows that reads each weight once for all
 // of them (f32, bf16 or f16 weights, f32 accumulation), and attention of a few query columns over
-// a KV cache in one pass over K and one over V per KV head (grouped query heads share the pass).
+// a KV cache in one pass over K and one over V per KV head (grouped query heads share the pass);
+// and the row kernels prefill uses too (RMSNorm, SwiGLU's product, rotary, the scaled softmax).
 // Each has an AVX-512, an AVX2 (+FMA, F16C) and a portable path, chosen at run time from what the
 // CPU supports; VLMGEN_CPU_ISA=portable|avx2|avx512 caps the choice, and VLMGEN_CPU_ISA=aten
 // turns the kernels off (every product and attention through ATen, for comparisons).
@@ -99,16 +100,20 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor silu_mul_on(Isa isa, const at::Tensor& gate, const at::Tensor& up);
 /// gate = silu_mul(gate, up), the same values, written into gate's own storage where the kernels
 /// take it (a contiguous float32 CPU gate; a prefill's [tokens, intermediate] activation then
-/// needs no third tensor of that size); otherwise gate is rebound to silu_mul's result.
+/// needs no third tensor of that size; autograd's version counter of gate moves on); otherwise gate
+/// is rebound to silu_mul's result.
 void silu_mul_into(at::Tensor& gate, const at::Tensor& up);
 
-/// x = softmax(x * scale) over the last dimension (attention's scores times 1 / sqrt(head_dim)),
-/// in x's own storage where the kernels take it: a contiguous float32 CPU tensor autograd does not
-/// record, scale positive and finite. The same two roundings as ATen's softmax of x * scale (each
-/// product, then its difference from the row's largest) and one exponential (within 2e-7
-/// relative; arguments below -87, masked scores, give exact zeros); each probability within
-/// 1e-6 relative of float64's for arguments above -87. Anything else, and VLMGEN_CPU_ISA=aten:
-/// x is rebound to at::softmax(x * scale, -1).
+/// x = softmax(x * scale) over the last dimension (attention's scores times the model's scale,
+/// 1 / sqrt(head_dim) for most), in x's own storage where the kernels take it: a contiguous float32
+/// CPU tensor autograd does not record, scale positive and finite as a float32 (autograd's version
+/// counter of x moves on, as for ATen's in-place ops). The same two roundings as ATen's softmax of
+/// x * scale (each product, then its difference from the row's largest) and one exponential
+/// (within 2e-7 relative; arguments below -87, masked scores, give exact zeros); measured within
+/// 1e-6 relative of float64's per probability on rows of up to a thousand keys (the sum's rounding
+/// grows slowly with the row). A row whose scores are all equal (every key masked with one
+/// finite value) comes out uniform. Anything else, and VLMGEN_CPU_ISA=aten: x is rebound to
+/// at::softmax(x * scale, -1).
 void scaled_softmax_into(at::Tensor& x, double scale);
 /// The same on a given path, into a new tensor (float32 CPU).
 at::Tensor scaled_softmax_on(Isa isa, const at::Tensor& x, double scale);
