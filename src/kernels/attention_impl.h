@@ -1,9 +1,9 @@
 #pragma once
 
 // The kernels that are not matrix products, over the same `Vec` as kernels_impl.h (see there):
-// exp, the gated activation, the scaled softmax and decode attention. Included only by the instruction-set files,
-// before their Vec (whose exp() uses exp_reduced and the constants here); like kernels_impl.h it
-// uses no inline function of another header.
+// exp, the gated activation, the scaled softmax and decode attention. Included only by the
+// instruction-set files, before their Vec (whose exp() uses exp_reduced and the constants here);
+// like kernels_impl.h it uses no inline function of another header.
 
 #include <math.h>
 #include <stdint.h>

@@ -102,18 +102,18 @@ constexpr int kLineParts = 4 / static_cast<int>(sizeof(WeightElement<T>));
 
 /// Fetches the next tile's weight rows (the bytes that follow this tile's) into L2 while this tile
 /// computes (the hardware prefetcher alone leaves a single thread well below the machine's read
-/// bandwidth). With one row pass (up to Vec::kRowTile input rows) each step fetches the line at
-/// the offset it reads in each row, as the tile reads them. With several passes the next tile's
-/// bytes are fetched in address order, per_step lines a step over the steps of every pass (a whole
-/// number: where the tile has fewer lines than steps, such as 8 or more passes on AVX-512 or
-/// 16-bit weights on AVX2, the fetches end before the last passes): fetching all of them in the
-/// first pass stalled that pass on the memory system (the prefetches wait for free miss buffers)
-/// and left the other passes with no transfer in flight. An exact even schedule (a line whenever
-/// its share of the steps is due) made 8 rows of f32 12% slower, 16 rows unchanged. The bench's 85 products
+/// bandwidth). With one row pass (up to Vec::kRowTile input rows) each step fetches the line at the
+/// offset it reads in each row, as the tile reads them. With several passes the next tile's bytes
+/// are fetched in address order, per_step lines a step over the steps of every pass (a whole
+/// number: where the tile has fewer lines than steps, such as 8 or more passes on AVX-512 or 16-bit
+/// weights on AVX2, the fetches end before the last passes): fetching all of them in the first pass
+/// stalled that pass on the memory system (the prefetches wait for free miss buffers) and left the
+/// other passes with no transfer in flight. An exact even schedule (a line whenever its share of
+/// the steps is due) made 8 rows of f32 12% slower, 16 rows unchanged. The bench's 85 products
 /// through kernels::linear, 16 rows: f32 40.4 -> 36.4 ms, bf16 30.4 -> 26.3 ms (1 and 4 rows, one
-/// pass: unchanged). Locality 2 (prefetcht1, into
-/// L2): with prefetcht0 the bench's f32 decode step took 24.2 ms instead of 22.9 at batch 1, FP8
-/// 2-3% longer. Copied into the tile loops (a local kept in registers) and back.
+/// pass: unchanged). Locality 2 (prefetcht1, into L2): with prefetcht0 the bench's f32 decode step
+/// took 24.2 ms instead of 22.9 at batch 1, FP8 2-3% longer. Copied into the tile loops (a local
+/// kept in registers) and back.
 struct TilePrefetch {
   const char* next = nullptr;  // null: no next tile in this call's range
   int64_t row_bytes = 0;
@@ -137,8 +137,9 @@ struct TilePrefetch {
 };
 
 /// One step's fetches: with several passes (kInOrder) per_step lines in address order, with one
-/// pass the line at byte `offset` of each row. kInOrder is a template parameter so that the single pass keeps the
-/// tile's registers as they were (FP8 on 4 rows ran 2-4% slower with the mode read in the loop).
+/// pass the line at byte `offset` of each row. kInOrder is a template parameter so that the single
+/// pass keeps the tile's registers as they were (FP8 on 4 rows ran 2-4% slower with the mode read
+/// in the loop).
 template <int OT, bool kInOrder>
 inline void prefetch_step(TilePrefetch& p, int64_t offset) {
   if (p.next == nullptr) return;
