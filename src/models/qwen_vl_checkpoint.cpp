@@ -69,21 +69,29 @@ at::Tensor read_fp8_weight(const SafetensorsCheckpoint& checkpoint, const std::s
   return scheme.dequantize(checkpoint.tensor(name), checkpoint.tensor(scale_name), name);
 }
 
+/// Whether E4M3 bytes hold a NaN (0x7f or 0xff), counted in place: tensor-sized temporaries for
+/// every weight would leave holes in the heap that the rest of the load could not reuse (6 MB a
+/// layer of the 100M bench model).
+bool has_e4m3_nan(const at::Tensor& bytes) {
+  const at::Tensor b = bytes.contiguous();
+  const uint8_t* p = b.data_ptr<uint8_t>();
+  uint8_t nan = 0;
+  for (int64_t i = 0, n = b.numel(); i < n; ++i) nan |= static_cast<uint8_t>((p[i] & 0x7f) == 0x7f);
+  return nan != 0;
+}
+
 /// This rank's slice of FP8 weight `name` as its bytes with their scales (LoadOptions::keep_fp8),
-/// or false when its scale blocks do not allow computing from the bytes: an input block that is
-/// not a multiple of 16 (the kernels' vector width) or a block that tensor parallelism would split.
+/// read straight into the place `streamed` gives `target` (no second copy of the bytes), or false
+/// when its scale blocks do not allow computing from the bytes: an input block that is not a
+/// multiple of 16 (the kernels' vector width) or a block that tensor parallelism would split.
 bool read_fp8_bytes(const SafetensorsCheckpoint& checkpoint, const std::string& name, Fp8Format format,
                     const std::optional<QuantizationScheme>& quantization, const std::string& dir,
-                    qwen_vl::ShardLayout layout, int64_t rank, int64_t tp, qwen_vl::Linear& linear) {
+                    qwen_vl::ShardLayout layout, int64_t rank, int64_t tp, detail::StreamedWeights& streamed,
+                    const at::Tensor& target, qwen_vl::Linear& linear) {
   const auto [scheme, scale_name] = fp8_scheme_of(checkpoint, name, format, quantization, dir);
-  at::Tensor bytes = checkpoint.tensor(name);
-  if (format == Fp8Format::kE4M3) {  // the kernels read bytes as halves, where E4M3's NaN would be a number
-    VLMGEN_CHECK(!bytes.bitwise_and(0x7f).eq(0x7f).any().item<bool>(),
-                 "FP8 tensor {} in checkpoint {} holds NaN bytes (0x7f or 0xff); E4M3 weights must be finite", name,
-                 dir);
-  }
-  if (bytes.dim() != 2) return false;
-  const int64_t out = bytes.size(0), in = bytes.size(1);
+  const std::vector<int64_t>& full = checkpoint.entry(name).shape;
+  if (full.size() != 2) return false;
+  const int64_t out = full[0], in = full[1];
   Fp8ScaleGrid g = scheme.scale_grid({out, in}, checkpoint.tensor(scale_name), name);
   if (g.block_in % 16 != 0 && g.block_in < in) return false;
   if (layout == qwen_vl::ShardLayout::kRows && g.block_out < out) {
@@ -95,7 +103,13 @@ bool read_fp8_bytes(const SafetensorsCheckpoint& checkpoint, const std::string& 
   } else if (layout == qwen_vl::ShardLayout::kStackedRows && tp > 1) {
     return false;
   }
-  linear.weight = detail::take_shard(bytes, layout, rank, tp).contiguous();
+  const at::Tensor bytes = streamed.read(checkpoint, name, full, layout, rank, tp, at::kByte, target);
+  if (format == Fp8Format::kE4M3) {  // the kernels read bytes as halves, where E4M3's NaN would be a number
+    VLMGEN_CHECK(!has_e4m3_nan(bytes),
+                 "FP8 tensor {} in checkpoint {} holds NaN bytes (0x7f or 0xff); E4M3 weights must be finite", name,
+                 dir);
+  }
+  linear.weight = bytes;
   linear.fp8 = kernels::Fp8Scales{g.grid.contiguous(), g.block_out, g.block_in, format == Fp8Format::kE5M2};
   return true;
 }
@@ -165,9 +179,8 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
     if (entry.fp8 && options.keep_fp8) {
       qwen_vl::Linear head;  // a quantized output head: its bytes and scales, read like a linear's
       qwen_vl::Linear* linear = weights[i].name == "lm_head.weight" ? &head : model->decoder_linear(weights[i].name);
-      if (linear != nullptr &&
-          read_fp8_bytes(checkpoint, sources[i], *entry.fp8, quantization, dir, weights[i].layout, rank, tp, *linear)) {
-        linear->weight = streamed.place(target, linear->weight);  // 1 byte a weight
+      if (linear != nullptr && read_fp8_bytes(checkpoint, sources[i], *entry.fp8, quantization, dir, weights[i].layout,
+                                              rank, tp, streamed, *target, *linear)) {
         if (linear == &head) {
           model->lm_.lm_head = head.weight;
           model->lm_.lm_head_fp8 = head.fp8;

@@ -5,6 +5,9 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 namespace vlmgen::detail {
 namespace {
@@ -65,6 +68,11 @@ at::Tensor WeightArena::place(const at::Tensor& t) {
 }
 
 void WeightArena::finish() {
+#if defined(__GLIBC__)
+  // The load's temporaries (converted and dequantized copies) are freed by now; the heap pages
+  // they leave between the weights go back to the system instead of staying resident.
+  ::malloc_trim(0);
+#endif
 #if defined(__linux__)
   if (mapping_ == nullptr) return;
   if (used_ == 0) {  // nothing placed: all of it goes
