@@ -6,7 +6,8 @@
 //   it a decode step reaches (weights + KV bytes read per token). Weights dtypes: f32, bf16 (the
 //   same weights rounded) and fp8 (the same weights through vlmgen's quantizer, 128 x 128 blocks,
 //   decoder linears and the output head kept as bytes; embedding bf16), each loaded from a
-//   checkpoint as a user loads it.
+//   checkpoint as a user loads it; bf16 and fp8 again over a bfloat16 KV cache (kv_cache_dtype),
+//   for the decode times over a context.
 // vlmgen-bench --memory DTYPE --checkpoint DIR: peak resident memory of one model loaded from DIR
 //   (f32, bf16 or fp8) after a 512-token prompt and 9 decode steps, against its weights + KV.
 
@@ -148,6 +149,11 @@ int run_speed_report(int rounds, const std::string& json_path) {
       const std::string from = (scratch / (std::string(dtype) == "fp8" ? "fp8" : "f32")).string();
       models[dtype] = QwenVl::from_checkpoint(from, ParallelContext::single(), load_options_for_dtype(dtype));
       weight_mb[dtype] = static_cast<double>(model_bytes(*models[dtype])) / 1e6;
+      if (std::string(dtype) == "f32") continue;
+      LoadOptions kv16 = load_options_for_dtype(dtype);  // the same weights over a bfloat16 KV cache
+      kv16.kv_cache_dtype = at::kBFloat16;
+      models[std::string(dtype) + "_kv16"] = QwenVl::from_checkpoint(from, ParallelContext::single(), kv16);
+      weight_mb[std::string(dtype) + "_kv16"] = weight_mb[dtype];
     }
     std::error_code ec;
     std::filesystem::remove_all(scratch, ec);
@@ -168,8 +174,15 @@ int run_speed_report(int rounds, const std::string& json_path) {
   };
   for (auto& [dtype, m] : models) decode_ms(*m, 1, 128);  // first touch of every buffer, not timed
   for (int round = 0; round < rounds; ++round) {
-    for (auto& [name, fn] : figures)
-      for (auto& [dtype, m] : models) runs[name][dtype].push_back(fn(*m));
+    for (auto& [name, fn] : figures) {
+      for (auto& [dtype, m] : models) {
+        // The bfloat16-cache models: the decode times over a context only.
+        if (dtype.size() > 5 && dtype.compare(dtype.size() - 5, 5, "_kv16") == 0 &&
+            name.find("context") == std::string::npos)
+          continue;
+        runs[name][dtype].push_back(fn(*m));
+      }
+    }
   }
   nlohmann::json out;
   fmt::print("\n{:<34}{:>10}{:>10}{:>10}{:>11}{:>11}\n", "figure (medians)", "f32", "bf16", "fp8", "speedup",
@@ -186,6 +199,17 @@ int run_speed_report(int rounds, const std::string& json_path) {
                  {"rounds_f32", runs[name]["f32"]},
                  {"rounds_bf16", runs[name]["bf16"]},
                  {"rounds_fp8", runs[name]["fp8"]}};
+  }
+  fmt::print("\n{:<34}{:>10}{:>10}{:>10}{:>10}\n", "with a bfloat16 KV cache (medians)", "bf16", "speedup", "fp8",
+             "speedup");
+  for (const int64_t ctx : {128, 512, 2048}) {
+    const std::string name = fmt::format("decode ms/token, context {}", ctx);
+    const double f = median(runs[name]["f32"]), h = median(runs[name]["bf16_kv16"]), e = median(runs[name]["fp8_kv16"]);
+    fmt::print("{:<34}{:>10.2f}{:>9.2f}x{:>10.2f}{:>9.2f}x\n", name, h, f / h, e, f / e);
+    for (const char* dtype : {"bf16_kv16", "fp8_kv16"}) {
+      out[name][dtype] = median(runs[name][dtype]);
+      out[name][std::string("rounds_") + dtype] = runs[name][dtype];
+    }
   }
   auto ratio = [&](const std::string& a, const std::string& b, const char* dtype) {
     return median(runs[a][dtype]) / median(runs[b][dtype]);
@@ -209,11 +233,13 @@ int run_speed_report(int rounds, const std::string& json_path) {
                  dtype, ctx, mb, mb / ms, 100.0 * mb / ms / bandwidth, bandwidth);
     }
   }
+  double all_weights = 0;
+  for (const auto& [dtype, mb] : weight_mb) all_weights += mb;
   fmt::print(
-      "memory: weights f32 {:.0f} MB + bf16 {:.0f} MB; RSS {:.0f} MB before the models, {:.0f} MB after "
-      "(peak {:.0f} MB): {:.2f}x the weights\n",
-      weight_mb["f32"], weight_mb["bf16"], rss_before, rss_after, hwm_after,
-      (rss_after - rss_before) / (weight_mb["f32"] + weight_mb["bf16"]));
+      "memory: weights of the {} models {:.0f} MB (f32 {:.0f} MB, bf16 {:.0f} MB, fp8 {:.0f} MB, the _kv16 ones "
+      "again); RSS {:.0f} MB before the models, {:.0f} MB after (peak {:.0f} MB): {:.2f}x the weights\n",
+      weight_mb.size(), all_weights, weight_mb["f32"], weight_mb["bf16"], weight_mb["fp8"], rss_before, rss_after,
+      hwm_after, (rss_after - rss_before) / all_weights);
   out["read_bandwidth_gbs"] = bandwidth;
   out["rss_mb"] = {{"before", rss_before}, {"after", rss_after}, {"peak", hwm_after}};
   out["weights_mb"] = weight_mb;

@@ -174,10 +174,13 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed, "sampling seed")->capture_default_str();
   int nproc = 1;
   int64_t batch = 1;
-  std::string dtype = "f32", device = "cpu";
+  std::string dtype = "f32", device = "cpu", kv_dtype = "f32";
   bool sequence_parallel = false;
   int64_t timeout_s = 60;
   app.add_option("--dtype", dtype, "the language model's weights: f32, bf16, f16, or fp8 (an FP8 checkpoint, CPU)")
+      ->capture_default_str();
+  app.add_option("--kv-dtype", kv_dtype, vlmgen::kKvCacheDtypeHelp)
+      ->check(CLI::IsMember({"f32", "bf16"}))
       ->capture_default_str();
   app.add_option("--device", device,
                  "cpu, cuda or cuda:N (with --nproc, 'cuda' gives each rank the device of its local rank; use "
@@ -223,7 +226,7 @@ int main(int argc, char** argv) {
                  nproc, parallel.world_size());
     parallel.sequence_parallel(sequence_parallel);
     const bool lead = rank == 0;
-    auto model = vlmgen::load_model(checkpoint, parallel, vlmgen::load_options_for(dtype, device));
+    auto model = vlmgen::load_model(checkpoint, parallel, vlmgen::load_options_for(dtype, device, kv_dtype));
     const vlmgen::ModelTraits& config = model->traits();
     std::vector<vlmgen::Image> images;
     for (int64_t row = 0; row < batch; ++row) {

@@ -37,6 +37,7 @@ namespace {
 struct Options {
   std::string model, prompt, system;
   std::string dtype = "f32";  // weights dtype of the language model
+  std::string kv_dtype = "f32";
   std::string device = "cpu";
   std::vector<std::string> images;
   int64_t max_new_tokens = 512, context = 4096, max_pixels = 0, min_pixels = 0;
@@ -75,7 +76,8 @@ class ChatRunner {
     VLMGEN_CHECK(!options.add_vision_id || chat_template.name() == "qwen2-vl",
                  "--add-vision-id is an option of the Qwen2-VL template; this folder's template is {}",
                  chat_template.name());
-    model_ = vlmgen::load_model(options.model, parallel_, vlmgen::load_options_for(options.dtype, options.device));
+    model_ = vlmgen::load_model(options.model, parallel_,
+                                vlmgen::load_options_for(options.dtype, options.device, options.kv_dtype));
     std::string source;
     processor_ = std::make_unique<vlmgen::ChatProcessor>(*tokenizer_, chat_template, image_format(&source));
     end_ids_ = vlmgen::end_token_ids_from_pretrained(options.model, *tokenizer_);
@@ -233,6 +235,9 @@ int main(int argc, char** argv) {
                  "weights of the language model: f32, bf16 (half the bytes a decode step reads), f16, or fp8 (an FP8 "
                  "checkpoint's linears kept as bytes, the rest bf16; CPU)")
       ->check(CLI::IsMember({"f32", "bf16", "f16", "fp8"}))
+      ->capture_default_str();
+  app.add_option("--kv-dtype", o.kv_dtype, vlmgen::kKvCacheDtypeHelp)
+      ->check(CLI::IsMember({"f32", "bf16"}))
       ->capture_default_str();
   app.add_option("--device", o.device,
                  "cpu, cuda or cuda:N (with --nproc, 'cuda' gives each rank the device of its local rank; use "

@@ -29,6 +29,14 @@ struct KvCacheSpec {
   }
 };
 
+/// The dtypes the shipped models' KV caches may store (CausalVlm::set_kv_cache_dtype): float32
+/// (exact) or bfloat16 (half the bytes; each key and value rounded to nearest even when written,
+/// read back exactly, attention still float32). A context itself holds any dtype its model uses.
+inline void check_kv_cache_dtype(at::ScalarType dtype) {
+  VLMGEN_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "a KV cache stores float32 or bfloat16, not {}",
+               c10::toString(dtype));
+}
+
 /// An image whose placeholders lie in a context's committed columns, with a fingerprint of its
 /// pixels (VisionInputs::fingerprints), so a continuation can be checked to bring the same image.
 struct CachedImage {
@@ -119,7 +127,8 @@ class InferenceContext {
 
   /// Model side: writes the window's keys and values ([batch, kv_heads, S, head_dim]) for
   /// `layer` at columns [length, length + S) and returns the keys and values of columns
-  /// [0, length + S), as views into the cache.
+  /// [0, length + S), as views into the cache (in the cache's dtype: a bfloat16 cache stores the
+  /// window rounded, and its own queries see it so, as later steps will).
   std::pair<at::Tensor, at::Tensor> append_kv(int64_t layer, const at::Tensor& k, const at::Tensor& v) {
     VLMGEN_CHECK(layer >= 0 && layer < spec_.num_layers, "layer {} is out of range for a cache of {} layers", layer,
                  spec_.num_layers);

@@ -90,6 +90,13 @@ class CausalVlm {
 
   virtual const ModelTraits& traits() const = 0;
 
+  /// What the KV caches generators and engines allocate for this model store
+  /// (traits().kv_cache.dtype): float32, or bfloat16 where the model's forward reads such a cache
+  /// (the shipped models do). A dtype it cannot use is a vlmgen::Error.
+  virtual void set_kv_cache_dtype(at::ScalarType dtype) {
+    VLMGEN_CHECK(dtype == at::kFloat, "this model keeps a float32 KV cache, not {}", c10::toString(dtype));
+  }
+
   /// Logits [B, S, V] (V >= traits().vocab_size), floating point, for the window in `args`
   /// ([B, S, W], this rank's block of the vocabulary, when traits().vocab_parallel_logits).
   /// With a context the model appends the window's K/V to it (InferenceContext::append_kv)

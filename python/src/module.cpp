@@ -312,21 +312,26 @@ void bind_models(py::module_& m) {
 
   m.def(
       "load_model",
-      [](const std::string& dir, const std::string& dtype, const std::string& device, bool huge_pages) {
+      [](const std::string& dir, const std::string& dtype, const std::string& device, bool huge_pages,
+         const std::string& kv_cache_dtype) {
         LoadOptions options = load_options_for_dtype(dtype);
         options.device = parse_device(device);
         options.huge_pages = huge_pages;
+        options.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
         py::gil_scoped_release release;
         return std::shared_ptr<CausalVlm>(load_model(dir, ParallelContext::single(), options));
       },
       py::arg("dir"), py::arg("dtype") = "f32", py::arg("device") = "cpu", py::arg("huge_pages") = true,
+      py::arg("kv_cache_dtype") = "f32",
       "Loads a checkpoint folder (config.json + *.safetensors) of a supported family (qwen2_vl, qwen2_5_vl, "
       "qwen3_vl, gemma3, llava_next) as a vlmgen.Model. dtype: the language model's weights, 'f32' (default), 'bf16', "
       "'f16', or 'fp8' "
       "(an FP8 checkpoint's linears kept as bytes, the rest bf16; CPU); compute is float32 on the CPU. device: "
       "'cpu' (default), 'cuda' or 'cuda:N' (there a 16-bit dtype runs the linears in that dtype). huge_pages: "
       "on the CPU under Linux, the weights each decode step reads go into memory advised for transparent huge "
-      "pages (faster decode, at most 2 MiB more memory); False keeps each in its own allocation.");
+      "pages (faster decode, at most 2 MiB more memory); False keeps each in its own allocation. kv_cache_dtype: "
+      "what the model's KV caches store, 'f32' (default, exact) or 'bf16' (half the cache's memory and of the "
+      "bytes a long-context decode step reads; keys and values rounded to bfloat16, attention still float32).");
 }
 
 void bind_config(py::module_& m) {

@@ -97,14 +97,52 @@ void scaled_softmax(float* x, int64_t rows, int64_t n, float scale) {
   }
 }
 
+/// A KV cache's keys and values as stored: float32, or bfloat16 bits (uint16_t) widened exactly as
+/// they are read, so the arithmetic after the load is the same for both.
 template <class Vec>
-float dot(const float* a, const float* b, int64_t n) {
+typename Vec::V load_kv(const float* p) {
+  return Vec::load(p);
+}
+template <class Vec>
+typename Vec::V load_kv(const uint16_t* p) {
+  return Vec::load_bf16(p);
+}
+inline float kv_value(float x) { return x; }
+inline float kv_value(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
+template <class T>
+const T* cache_keys(const HeadGroupAttention& a);
+template <>
+inline const float* cache_keys<float>(const HeadGroupAttention& a) {
+  return a.k;
+}
+template <>
+inline const uint16_t* cache_keys<uint16_t>(const HeadGroupAttention& a) {
+  return a.k16;
+}
+template <class T>
+const T* cache_values(const HeadGroupAttention& a);
+template <>
+inline const float* cache_values<float>(const HeadGroupAttention& a) {
+  return a.v;
+}
+template <>
+inline const uint16_t* cache_values<uint16_t>(const HeadGroupAttention& a) {
+  return a.v16;
+}
+
+template <class Vec, class T>
+float dot(const float* a, const T* b, int64_t n) {
   constexpr int64_t L = Vec::kLanes;
   typename Vec::V acc = Vec::zero();
   int64_t i = 0;
-  for (; i + L <= n; i += L) acc = Vec::fma(Vec::load(a + i), Vec::load(b + i), acc);
+  for (; i + L <= n; i += L) acc = Vec::fma(Vec::load(a + i), load_kv<Vec>(b + i), acc);
   float s = Vec::sum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s = __builtin_fmaf(a[i], kv_value(b[i]), s);  // one rounding, whatever the compiler fuses
   return s;
 }
 
@@ -112,16 +150,17 @@ float dot(const float* a, const float* b, int64_t n) {
 /// that are not real; as dot() per key, bit for bit (but +0 where dot() * scale gives -0, which
 /// no softmax can tell), with the horizontal sums of a whole block of keys done together (dim a
 /// multiple of kLanes; used where Vec::lane_sums does them at once).
-template <class Vec>
+template <class Vec, class T>
 void score_block(const HeadGroupAttention& a, int64_t g, int64_t s, int64_t j) {
   using V = typename Vec::V;
   constexpr int64_t L = Vec::kLanes;
   const float* q = a.q + g * a.q_head_stride + s * a.dim;
+  const T* keys = cache_keys<T>(a) + j * a.kv_row_stride;
   V acc[L];
-  for (int64_t kk = 0; kk < L; ++kk) {
-    const float* key = a.k + (j + kk) * a.kv_row_stride;
-    acc[kk] = Vec::zero();
-    for (int64_t i = 0; i < a.dim; i += L) acc[kk] = Vec::fma(Vec::load(q + i), Vec::load(key + i), acc[kk]);
+  for (int64_t kk = 0; kk < L; ++kk) acc[kk] = Vec::zero();
+  for (int64_t i = 0; i < a.dim; i += L) {  // each query vector loaded once for the block's keys
+    const V qv = Vec::load(q + i);
+    for (int64_t kk = 0; kk < L; ++kk) acc[kk] = Vec::fma(qv, load_kv<Vec>(keys + kk * a.kv_row_stride + i), acc[kk]);
   }
   float* out = a.scores + g * a.keys + j;
   Vec::store(out, Vec::fma(Vec::lane_sums(acc), Vec::set1(a.scale), Vec::zero()));
@@ -129,20 +168,20 @@ void score_block(const HeadGroupAttention& a, int64_t g, int64_t s, int64_t j) {
     if (a.key_real[j + kk] == 0) out[kk] = -INFINITY;
 }
 
-/// y += alpha * x over n floats.
-template <class Vec>
-void axpy(float alpha, const float* x, float* y, int64_t n) {
+/// y += alpha * x over n floats (x as the cache stores it).
+template <class Vec, class T>
+void axpy(float alpha, const T* x, float* y, int64_t n) {
   constexpr int64_t L = Vec::kLanes;
   const typename Vec::V al = Vec::set1(alpha);
   int64_t i = 0;
-  for (; i + L <= n; i += L) Vec::store(y + i, Vec::fma(al, Vec::load(x + i), Vec::load(y + i)));
-  for (; i < n; ++i) y[i] += alpha * x[i];
+  for (; i + L <= n; i += L) Vec::store(y + i, Vec::fma(al, load_kv<Vec>(x + i), Vec::load(y + i)));
+  for (; i < n; ++i) y[i] = __builtin_fmaf(alpha, kv_value(x[i]), y[i]);
 }
 
 /// out(g, s) for g in [g0, g0 + gn) and columns [d0, d0 + DN * L) of the value rows: the sum over
 /// visible keys j of p(g, j) * v_j, the GC x DN partial sums kept in registers while the value
 /// rows stream by once.
-template <class Vec, int DN, int GC>
+template <class Vec, class T, int DN, int GC>
 void value_chunk(const HeadGroupAttention& a, const float* p, int64_t s, int64_t limit, int64_t g0, int64_t gn,
                  int64_t d0) {
   using V = typename Vec::V;
@@ -152,9 +191,9 @@ void value_chunk(const HeadGroupAttention& a, const float* p, int64_t s, int64_t
     for (int c = 0; c < DN; ++c) acc[g][c] = Vec::zero();
   for (int64_t j = 0; j < limit; ++j) {
     if (a.key_real[j] == 0) continue;
-    const float* vj = a.v + j * a.kv_row_stride + d0;
+    const T* vj = cache_values<T>(a) + j * a.kv_row_stride + d0;
     V vv[DN];
-    for (int c = 0; c < DN; ++c) vv[c] = Vec::load(vj + c * L);
+    for (int c = 0; c < DN; ++c) vv[c] = load_kv<Vec>(vj + c * L);
     for (int g = 0; g < GC; ++g) {
       if (g >= gn) break;
       const V w = Vec::set1(p[(g0 + g) * a.keys + j]);
@@ -167,23 +206,23 @@ void value_chunk(const HeadGroupAttention& a, const float* p, int64_t s, int64_t
 
 /// The value pass of column s over every head of the group: register-blocked chunks of the
 /// vector-aligned columns, axpy for any columns past them.
-template <class Vec>
+template <class Vec, class T>
 void value_pass(const HeadGroupAttention& a, const float* p, int64_t s, int64_t limit) {
   constexpr int64_t L = Vec::kLanes;
   const int64_t aligned = a.dim - a.dim % L;
   int64_t d0 = 0;
   for (; d0 + 4 * L <= aligned; d0 += 4 * L)
-    for (int64_t g0 = 0; g0 < a.groups; g0 += 3) value_chunk<Vec, 4, 3>(a, p, s, limit, g0, a.groups - g0, d0);
+    for (int64_t g0 = 0; g0 < a.groups; g0 += 3) value_chunk<Vec, T, 4, 3>(a, p, s, limit, g0, a.groups - g0, d0);
   for (; d0 + L <= aligned; d0 += L)
-    for (int64_t g0 = 0; g0 < a.groups; g0 += 8) value_chunk<Vec, 1, 8>(a, p, s, limit, g0, a.groups - g0, d0);
+    for (int64_t g0 = 0; g0 < a.groups; g0 += 8) value_chunk<Vec, T, 1, 8>(a, p, s, limit, g0, a.groups - g0, d0);
   if (aligned == a.dim) return;
   for (int64_t g = 0; g < a.groups; ++g) {
     float* out = a.out + g * a.q_head_stride + s * a.dim;
     for (int64_t j = 0; j < limit; ++j) {
       if (a.key_real[j] == 0) continue;
       const float w = p[g * a.keys + j];
-      const float* vj = a.v + j * a.kv_row_stride;
-      for (int64_t d = aligned; d < a.dim; ++d) out[d] += w * vj[d];
+      const T* vj = cache_values<T>(a) + j * a.kv_row_stride;
+      for (int64_t d = aligned; d < a.dim; ++d) out[d] = __builtin_fmaf(w, kv_value(vj[d]), out[d]);
     }
   }
 }
@@ -192,9 +231,21 @@ void value_pass(const HeadGroupAttention& a, const float* p, int64_t s, int64_t 
 template <class Vec>
 void softmax_row(float* sc, const uint8_t* real, int64_t limit, bool all_real) {
   constexpr int64_t L = Vec::kLanes;
+  // The largest real score: keys that are not real hold -inf (or, masked, stale scores).
   float top = -INFINITY;
-  for (int64_t j = 0; j < limit; ++j)
-    if (real[j] != 0 && sc[j] > top) top = sc[j];
+  if (all_real) {
+    constexpr int64_t L0 = Vec::kLanes;
+    typename Vec::V top_v = Vec::set1(-INFINITY);
+    int64_t k = 0;
+    for (; k + L0 <= limit; k += L0) top_v = Vec::max(Vec::load(sc + k), top_v);
+    float lanes[L0];
+    Vec::store(lanes, top_v);
+    for (float v : lanes) top = v > top ? v : top;
+    for (; k < limit; ++k) top = sc[k] > top ? sc[k] : top;
+  } else {
+    for (int64_t k = 0; k < limit; ++k)
+      if (real[k] != 0 && sc[k] > top) top = sc[k];
+  }
   const typename Vec::V shift = Vec::set1(-top);
   const typename Vec::V one = Vec::set1(1.0f);
   typename Vec::V sums = Vec::zero();
@@ -226,8 +277,8 @@ void softmax_row(float* sc, const uint8_t* real, int64_t limit, bool all_real) {
 
 /// One pass over the visible keys for all `groups` query heads of a column (scores, softmax),
 /// then one pass over their values. `scores` holds groups * keys floats.
-template <class Vec>
-void attention(const HeadGroupAttention& a) {
+template <class Vec, class T>
+void attention_of(const HeadGroupAttention& a) {
   const int64_t dim = a.dim;
   for (int64_t s = 0; s < a.columns; ++s) {
     const int64_t limit = a.first_query_key + s + 1 < a.keys ? a.first_query_key + s + 1 : a.keys;
@@ -239,25 +290,32 @@ void attention(const HeadGroupAttention& a) {
       const float w = a.keys > 0 ? 1.0f / static_cast<float>(a.keys) : 0.0f;
       for (int64_t j = 0; j < a.keys; ++j)
         for (int64_t g = 0; g < a.groups; ++g)
-          axpy<Vec>(w, a.v + j * a.kv_row_stride, a.out + g * a.q_head_stride + s * dim, dim);
+          axpy<Vec>(w, cache_values<T>(a) + j * a.kv_row_stride, a.out + g * a.q_head_stride + s * dim, dim);
       continue;
     }
     int64_t j = 0;
     if constexpr (Vec::kLaneSums) {  // blocks of keys, then one key at a time
       if (a.dim % Vec::kLanes == 0)
         for (; j + Vec::kLanes <= limit; j += Vec::kLanes)
-          for (int64_t g = 0; g < a.groups; ++g) score_block<Vec>(a, g, s, j);
+          for (int64_t g = 0; g < a.groups; ++g) score_block<Vec, T>(a, g, s, j);
     }
     for (; j < limit; ++j) {
-      const float* key = a.k + j * a.kv_row_stride;
+      const T* key = cache_keys<T>(a) + j * a.kv_row_stride;
       for (int64_t g = 0; g < a.groups; ++g)
         a.scores[g * a.keys + j] =
             a.key_real[j] != 0 ? dot<Vec>(a.q + g * a.q_head_stride + s * dim, key, dim) * a.scale : -INFINITY;
     }
     for (int64_t g = 0; g < a.groups; ++g)
       softmax_row<Vec>(a.scores + g * a.keys, a.key_real, limit, real_keys == limit);
-    value_pass<Vec>(a, a.scores, s, limit);
+    value_pass<Vec, T>(a, a.scores, s, limit);
   }
+}
+
+/// attention_of over a float32 or a bfloat16 cache (HeadGroupAttention::k16 set).
+template <class Vec>
+void attention(const HeadGroupAttention& a) {
+  if (a.k16 != nullptr) return attention_of<Vec, uint16_t>(a);
+  attention_of<Vec, float>(a);
 }
 
 }  // namespace

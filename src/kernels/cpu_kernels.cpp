@@ -365,9 +365,12 @@ at::Tensor decode_attention_on(Isa isa, const at::Tensor& q, const at::Tensor& k
   VLMGEN_CHECK(key_real.dim() == 2 && key_real.size(0) == b && key_real.size(1) == keys && key_real.device().is_cpu(),
                "kernels::decode_attention: key_real must be [{}, {}] on the CPU, got {} on {}", b, keys,
                detail::shape_str(key_real), key_real.device().str());
-  VLMGEN_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-                   q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-               "kernels::decode_attention: float32 CPU tensors expected, got q {} on {}, k {} on {}, v {} on {}",
+  const bool bf16 = k.scalar_type() == at::kBFloat16;
+  VLMGEN_CHECK(q.scalar_type() == at::kFloat && (k.scalar_type() == at::kFloat || bf16) &&
+                   v.scalar_type() == k.scalar_type() && q.device().is_cpu() && k.device().is_cpu() &&
+                   v.device().is_cpu(),
+               "kernels::decode_attention: CPU tensors, q float32 and k, v both float32 or both bfloat16 expected, "
+               "got q {} on {}, k {} on {}, v {} on {}",
                at::toString(q.scalar_type()), q.device().str(), at::toString(k.scalar_type()), k.device().str(),
                at::toString(v.scalar_type()), v.device().str());
   // K and V are read in place when each row of D floats is contiguous and rows are evenly spaced.
@@ -386,10 +389,11 @@ at::Tensor decode_attention_on(Isa isa, const at::Tensor& q, const at::Tensor& k
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / kv_heads, head = task % kv_heads;
       const int64_t q_offset = (row * heads + head * groups) * s * dim;
+      const int64_t k_at = row * k2.stride(0) + head * k2.stride(1), v_at = row * vv.stride(0) + head * vv.stride(1);
       raw::HeadGroupAttention a{qq.data_ptr<float>() + q_offset,
                                 s * dim,
-                                k2.data_ptr<float>() + row * k2.stride(0) + head * k2.stride(1),
-                                vv.data_ptr<float>() + row * vv.stride(0) + head * vv.stride(1),
+                                bf16 ? nullptr : k2.data_ptr<float>() + k_at,
+                                bf16 ? nullptr : vv.data_ptr<float>() + v_at,
                                 k2.stride(2),
                                 real.data_ptr<uint8_t>() + row * keys,
                                 keys,
@@ -399,7 +403,9 @@ at::Tensor decode_attention_on(Isa isa, const at::Tensor& q, const at::Tensor& k
                                 dim,
                                 static_cast<float>(scale),
                                 out.data_ptr<float>() + q_offset,
-                                scratch.data()};
+                                scratch.data(),
+                                bf16 ? static_cast<const uint16_t*>(k2.data_ptr()) + k_at : nullptr,
+                                bf16 ? static_cast<const uint16_t*>(vv.data_ptr()) + v_at : nullptr};
       run_attention(isa, a);
     }
   });

@@ -81,6 +81,8 @@ struct CacheAttention {
   int64_t keys;
   int64_t first_query_key;
   float scale;
+  const uint16_t* k16;  // a bfloat16 cache instead of k and v (null for float32), laid out alike
+  const uint16_t* v16;
 };
 void attend_cache(Isa isa, const CacheAttention& a);
 

@@ -66,6 +66,9 @@ struct HeadGroupAttention {
   float scale;
   float* out;     // (g, s) at out + (g * q_head_stride + s * dim)
   float* scores;  // scratch of `keys` floats
+  /// A bfloat16 cache: keys and values as their bits, laid out as k and v (which are then unused).
+  const uint16_t* k16;
+  const uint16_t* v16;
 };
 
 /// Whether the instruction-set files were compiled with their instructions (else they forward to

@@ -186,10 +186,11 @@ void attend_cache(Isa isa, const CacheAttention& a) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / a.kv_heads, head = task % a.kv_heads;
       const int64_t q_offset = (row * a.heads + head * groups) * a.dim;
+      const int64_t at = row * a.row_stride + head * a.head_stride;
       const raw::HeadGroupAttention h{a.q + q_offset,
                                       a.dim,
-                                      a.k + row * a.row_stride + head * a.head_stride,
-                                      a.v + row * a.row_stride + head * a.head_stride,
+                                      a.k16 != nullptr ? nullptr : a.k + at,
+                                      a.v16 != nullptr ? nullptr : a.v + at,
                                       a.dim,
                                       a.key_real + row * a.keys,
                                       a.keys,
@@ -199,7 +200,9 @@ void attend_cache(Isa isa, const CacheAttention& a) {
                                       a.dim,
                                       a.scale,
                                       a.out + q_offset,
-                                      scratch.data()};
+                                      scratch.data(),
+                                      a.k16 != nullptr ? a.k16 + at : nullptr,
+                                      a.v16 != nullptr ? a.v16 + at : nullptr};
       run_attention(isa, h);
     }
   });

@@ -39,13 +39,14 @@ void run_linear(kernels::Isa isa, const qwen_vl::Linear& l, const float* x, int6
 
 /// The step's working rows: every intermediate of one layer, reused by the next.
 struct Buffers {
-  ki::AlignedFloats h, q, k, v, rotated, attended, out, gate, up;
+  ki::AlignedFloats h, q, k, v, kr, rotated, attended, out, gate, up;  // kr: one rotated key row
   void size(int64_t t, int64_t hidden, int64_t q_width, int64_t kv_width, int64_t inter) {
     auto fit = [](ki::AlignedFloats& b, int64_t n) { b.resize(static_cast<size_t>(n)); };
     fit(h, t * hidden);
     fit(q, t * q_width);
     fit(k, t * kv_width);
     fit(v, t * kv_width);
+    fit(kr, kv_width);
     fit(rotated, t * q_width);
     fit(attended, t * q_width);
     fit(out, t * hidden);
@@ -53,6 +54,17 @@ struct Buffers {
     fit(up, t * inter);
   }
 };
+
+/// The key or value row `src` of d floats into a cache row of the cache's dtype: float32 as is,
+/// bfloat16 rounded to nearest even as ATen's conversion (what append_kv stores) does.
+void store_cache_row(const float* src, int64_t d, at::ScalarType dtype, void* dst) {
+  if (dtype == at::kFloat) {
+    std::memcpy(dst, src, static_cast<size_t>(d) * sizeof(float));
+    return;
+  }
+  auto* out = static_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < d; ++i) out[i] = c10::BFloat16(src[i]).x;
+}
 
 void add_rows(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
@@ -73,11 +85,12 @@ bool fused_decode_fits(const qwen_vl::LanguageModel& lm, const QwenVlConfig& c, 
   int64_t next_row = 0;
   for (const FusedDecodeRows& r : requests) {
     const InferenceContext* ctx = r.context;
-    if (ctx == nullptr || r.first_row != next_row || r.rows != ctx->batch_size() || ctx->spec().dtype != at::kFloat ||
-        !ctx->device().is_cpu() || ctx->spec().num_layers != static_cast<int64_t>(lm.layers.size()) ||
-        ctx->spec().num_kv_heads != kv || ctx->spec().head_dim != d || ctx->length() + 1 > ctx->capacity() ||
-        r.key_real.dim() != 2 || r.key_real.size(0) != r.rows || r.key_real.size(1) != ctx->length() + 1 ||
-        r.key_real.element_size() != 1 || !r.key_real.device().is_cpu())
+    if (ctx == nullptr || r.first_row != next_row || r.rows != ctx->batch_size() ||
+        (ctx->spec().dtype != at::kFloat && ctx->spec().dtype != at::kBFloat16) || !ctx->device().is_cpu() ||
+        ctx->spec().num_layers != static_cast<int64_t>(lm.layers.size()) || ctx->spec().num_kv_heads != kv ||
+        ctx->spec().head_dim != d || ctx->length() + 1 > ctx->capacity() || r.key_real.dim() != 2 ||
+        r.key_real.size(0) != r.rows || r.key_real.size(1) != ctx->length() + 1 || r.key_real.element_size() != 1 ||
+        !r.key_real.device().is_cpu())
       return false;
     next_row += r.rows;
   }
@@ -139,14 +152,18 @@ at::Tensor fused_decode_layers(const qwen_vl::LanguageModel& lm, const QwenVlCon
       const FusedDecodeRows& r = requests[i];
       auto [keys, values] = r.context->layer_storage(static_cast<int64_t>(layer));
       const int64_t column = r.context->length();
-      float* kp = keys.data_ptr<float>();
-      float* vp = values.data_ptr<float>();
+      const at::ScalarType dtype = keys.scalar_type();
+      const bool bf16 = dtype == at::kBFloat16;
+      auto* kp = static_cast<char*>(keys.data_ptr());
+      auto* vp = static_cast<char*>(values.data_ptr());
+      const auto element = static_cast<int64_t>(keys.element_size());
       for (int64_t row = 0; row < r.rows; ++row) {
         const int64_t at_row = r.first_row + row;
         for (int64_t head = 0; head < kv; ++head) {
-          const int64_t slot = row * keys.stride(0) + head * keys.stride(1) + column * d;
-          ki::rotary_row(b.k.data() + (at_row * kv + head) * d, cp + at_row * d, sp + at_row * d, d, kp + slot);
-          std::memcpy(vp + slot, b.v.data() + (at_row * kv + head) * d, static_cast<size_t>(d) * sizeof(float));
+          const int64_t slot = (row * keys.stride(0) + head * keys.stride(1) + column * d) * element;
+          ki::rotary_row(b.k.data() + (at_row * kv + head) * d, cp + at_row * d, sp + at_row * d, d, b.kr.data());
+          store_cache_row(b.kr.data(), d, dtype, kp + slot);
+          store_cache_row(b.v.data() + (at_row * kv + head) * d, d, dtype, vp + slot);
         }
       }
       const ki::CacheAttention a{b.rotated.data() + r.first_row * heads * d,
@@ -155,14 +172,16 @@ at::Tensor fused_decode_layers(const qwen_vl::LanguageModel& lm, const QwenVlCon
                                  heads,
                                  kv,
                                  d,
-                                 kp,
-                                 vp,
+                                 bf16 ? nullptr : reinterpret_cast<const float*>(kp),
+                                 bf16 ? nullptr : reinterpret_cast<const float*>(vp),
                                  keys.stride(0),
                                  keys.stride(1),
                                  static_cast<const uint8_t*>(key_real[i].data_ptr()),
                                  column + 1,
                                  column,
-                                 scale};
+                                 scale,
+                                 bf16 ? reinterpret_cast<const uint16_t*>(kp) : nullptr,
+                                 bf16 ? reinterpret_cast<const uint16_t*>(vp) : nullptr};
       ki::attend_cache(isa, a);
     }
     run_linear(isa, w.o_proj, b.attended.data(), t, b.out.data());

@@ -144,6 +144,11 @@ void Gemma3::allocate_weights() {
   }
 }
 
+void Gemma3::set_kv_cache_dtype(at::ScalarType dtype) {
+  check_kv_cache_dtype(dtype);
+  traits_.kv_cache.dtype = dtype;
+}
+
 void Gemma3::tie_lm_head() { lm_.lm_head = lm_.embed_tokens; }
 
 std::vector<Gemma3::WeightSlot> Gemma3::weight_slots() {

@@ -71,6 +71,7 @@ std::unique_ptr<Gemma3> Gemma3::from_checkpoint(const std::string& dir, const Pa
   }
   streamed.finish();
   if (model->config_.tie_word_embeddings) model->tie_lm_head();
+  model->set_kv_cache_dtype(options.kv_cache_dtype);
   return model;
 }
 

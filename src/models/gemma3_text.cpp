@@ -70,6 +70,10 @@ at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, Visibility vi
   if (q.device().is_cpu() && s == 1 && !vis.groups.defined() && kernels::enabled() && !at::GradMode::is_enabled()) {
     return kernels::decode_attention(q, k, v, vis.key_real, vis.window_start - vis.key_begin, vis.scale);
   }
+  if (k.scalar_type() != q.scalar_type()) {  // a bfloat16 cache: the products in the queries' dtype
+    k = k.to(q.scalar_type());
+    v = v.to(q.scalar_type());
+  }
   // Scaled in the softmax (lowest * scale), so divided by any scale above 1 to stay finite.
   const double blocked_score = std::numeric_limits<float>::lowest() / std::max(1.0, vis.scale);
   const at::Tensor kt = k.transpose(-1, -2);

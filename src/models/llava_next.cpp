@@ -27,6 +27,11 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 
 }  // namespace
 
+void LlavaNext::set_kv_cache_dtype(at::ScalarType dtype) {
+  lm_->set_kv_cache_dtype(dtype);  // its decoder runs the forward
+  traits_.kv_cache.dtype = dtype;
+}
+
 LlavaNext::LlavaNext(const LlavaNextConfig& config, std::unique_ptr<QwenVl> lm) : config_(config), lm_(std::move(lm)) {
   traits_ = lm_->traits();
   traits_.image_token_id = config_.image_token_id;

@@ -89,6 +89,7 @@ std::unique_ptr<LlavaNext> LlavaNext::from_checkpoint(const std::string& dir, co
     if (starts_with(slot.name, "visual.")) *slot.tensor = slot.tensor->zero_().to(options.device);
   }
   if (config.tie_word_embeddings) decoder.tie_lm_head();
+  model->set_kv_cache_dtype(options.kv_cache_dtype);
   return model;
 }
 

@@ -266,6 +266,11 @@ qwen_vl::ShardLayout QwenVl::shard_layout(const std::string& name) const {
   VLMGEN_FAIL("{} has no weight named '{}'", detail::family_spec(config_.family).display_name, name);
 }
 
+void QwenVl::set_kv_cache_dtype(at::ScalarType dtype) {
+  check_kv_cache_dtype(dtype);
+  traits_.kv_cache.dtype = dtype;
+}
+
 void QwenVl::tie_lm_head() {
   config_.tie_word_embeddings = true;
   lm_.lm_head = lm_.embed_tokens;  // same TensorImpl: one copy of the matrix

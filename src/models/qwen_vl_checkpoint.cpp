@@ -214,6 +214,7 @@ std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const Pa
   }
   streamed.finish();
   if (model->config_.tie_word_embeddings) model->tie_lm_head();
+  model->set_kv_cache_dtype(options.kv_cache_dtype);
   return model;
 }
 

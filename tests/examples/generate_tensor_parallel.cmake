@@ -1,6 +1,7 @@
 # vlmgen-generate on random tiny checkpoints of each Qwen-VL family: with --nproc 2 (two local
 # ranks, tensor parallel, with and without sequence parallelism) it must stream the same tokens as
-# one process, for a text prompt (sampled) and a prompt with an image (greedy).
+# one process, for a text prompt (sampled) and a prompt with an image (greedy), the latter also with
+# a bfloat16 KV cache.
 #   cmake -DGENERATE=... -DMAKE_CHECKPOINT=... -DIMAGE=... -DWORK_DIR=... -P generate_tensor_parallel.cmake
 file(REMOVE_RECURSE ${WORK_DIR})
 
@@ -43,5 +44,11 @@ foreach(family qwen2_vl qwen2_5_vl qwen3_vl)
       message(FATAL_ERROR "${family}: ${run} streamed '${${run}}' but one process with the KV cache '${image_single}'")
     endif()
   endforeach()
+  # A bfloat16 KV cache: two ranks (each rounding its own heads' keys and values) stream what one does.
+  tokens_of(image_kv16 ${family} ${picture} --kv-dtype bf16)
+  tokens_of(image_tp_kv16 ${family} ${picture} --kv-dtype bf16 --nproc 2)
+  if(NOT "${image_tp_kv16}" STREQUAL "${image_kv16}")
+    message(FATAL_ERROR "${family}: --kv-dtype bf16 --nproc 2 streamed '${image_tp_kv16}' but one process '${image_kv16}'")
+  endif()
 endforeach()
 file(REMOVE_RECURSE ${WORK_DIR})

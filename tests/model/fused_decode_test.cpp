@@ -224,6 +224,54 @@ TEST_P(FusedDecodeTest, SeveralRequestsInOneStepEqualTheLayersOpByOp) {
       << "the fused step did not run: " << fused_calls << " ATen calls against " << op_calls;
 }
 
+// A bfloat16 KV cache (LoadOptions::kv_cache_dtype): the fused step writes and reads it as the
+// layers op by op do (ATen's rounding on the way in), bit for bit, with float32 and FP8 weights
+// and in the engine's several-request step; the cache takes half the bytes; layer 0's keys and
+// values are the float32 cache's rounded to bfloat16; and the logits stay near float32's.
+TEST_P(FusedDecodeTest, ABfloat16KvCacheIsWrittenAndReadAsTheLayersOpByOpDo) {
+  LoadOptions options;
+  options.kv_cache_dtype = at::kBFloat16;
+  std::unique_ptr<QwenVl> model = load(scratch_.dir("f32"), options);
+  ASSERT_NE(model, nullptr);
+  ASSERT_EQ(model->traits().kv_cache.dtype, at::kBFloat16);
+  EXPECT_EQ(InferenceContext(model->traits().kv_cache, 1, 8).bytes() * 2,
+            InferenceContext(model_.traits().kv_cache, 1, 8).bytes());
+  const auto fused = generate(*model, true);
+  ASSERT_EQ(fused.keys[0].scalar_type(), at::kBFloat16);
+  expect_identical(fused, generate(*model, false), "float32 weights, bfloat16 cache");
+  int64_t fused_calls = 0, op_calls = 0;
+  const std::vector<at::Tensor> batched = batched_decode(*model, true, 3, fused_calls);
+  const std::vector<at::Tensor> batched_op = batched_decode(*model, false, 3, op_calls);
+  ASSERT_EQ(batched.size(), batched_op.size());
+  for (size_t i = 0; i < batched.size(); ++i) EXPECT_TRUE(at::equal(batched[i], batched_op[i])) << "engine step " << i;
+  EXPECT_LT(fused_calls + 3 * 40 * config_.num_hidden_layers, op_calls);
+
+  const auto exact = generate(model_, true);
+  const int64_t prompt = 10;  // the image row's prompt: the columns every run computes alike
+  EXPECT_TRUE(at::equal(fused.keys[0].narrow(2, 0, prompt), exact.keys[0].narrow(2, 0, prompt).to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(fused.values[0].narrow(2, 0, prompt), exact.values[0].narrow(2, 0, prompt).to(at::kBFloat16)));
+  const double drift = max_abs_diff(fused.logits[0], exact.logits[0]) / exact.logits[0].abs().max().item<double>();
+  report("bfloat16 cache: prefill logits' largest difference from float32's, relative", drift);
+  EXPECT_GT(drift, 0.0);  // the cache was rounded
+  EXPECT_LT(drift, 2e-2);
+
+  QuantizeOptions quantize;
+  quantize.block = {16, 16};
+  quantize_checkpoint(scratch_.dir("f32"), scratch_.dir("fp8"), quantize);
+  options.keep_fp8 = true;
+  std::unique_ptr<QwenVl> bytes = load(scratch_.dir("fp8"), options);
+  ASSERT_NE(bytes, nullptr);
+  expect_identical(generate(*bytes, true), generate(*bytes, false), "fp8 weights, bfloat16 cache");
+
+  try {
+    model->set_kv_cache_dtype(at::kHalf);
+    ADD_FAILURE() << "a float16 KV cache was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("float32 or bfloat16, not Half"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(model->traits().kv_cache.dtype, at::kBFloat16);  // unchanged by the refusal
+}
+
 /// ATen calls made during one decode step of `model` over a prefilled context.
 int64_t aten_calls_in_a_decode_step(QwenVl& model) {
   const at::Tensor ids = at::tensor(std::vector<int64_t>{1, 2, 3, 4}, at::kLong).view({1, 4});

@@ -265,34 +265,58 @@ TEST_F(Gemma3Test, ImageTokensAttendBothWaysAndAWindowThatCutsAnImageIsRefused) 
 TEST_F(Gemma3Test, CachedDecodeStepsPastTheSlidingWindowEqualTheFullForward) {
   // The ragged batch prefilled into a cache, then 9 one-column steps (the window is 5 columns):
   // each step's logits equal the full forward's column, the sliding layers reading only their
-  // window's keys.
+  // window's keys. A bfloat16 cache: against one forward of every column into such a cache.
   std::vector<std::vector<int64_t>> rows = batch_rows();
   for (auto& row : rows) {
     for (int64_t t = 0; t < 9; ++t) row.push_back(20 + 3 * t + static_cast<int64_t>(row.size() % 2));
   }
   const int64_t steps = 9;
   Batch all = left_pad(rows);
-  const at::Tensor full = full_forward(*model_, all, batch_vision());
+  const at::Tensor without_cache = full_forward(*model_, all, batch_vision());
   const RopePlan plan = model_->plan_positions(all.ids, all.mask, batch_vision());
   const int64_t len = all.ids.size(1), prompt = len - steps;
-  InferenceContext ctx(model_->traits().kv_cache, 2, len);
-  double worst = 0.0;
-  for (int64_t start = 0; start < len;) {
-    const int64_t end = start == 0 ? prompt : start + 1;
-    ForwardArgs args;
-    args.input_ids = all.ids.narrow(1, start, end - start);
-    args.attention_mask = all.mask.narrow(1, 0, end);
-    args.position_ids = plan.prompt_positions.narrow(1, start, end - start);
-    args.context = &ctx;
-    args.window_start = start;
-    if (start == 0) args.vision = batch_vision();
-    const at::Tensor logits = model_->forward(args);
-    ctx.commit(args.input_ids, all.mask.narrow(1, start, end - start));
-    if (start > 0) worst = std::max(worst, max_abs_diff(logits, full.narrow(1, start, 1)));
-    start = end;
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    model_->set_kv_cache_dtype(dtype);
+    at::Tensor full = without_cache;
+    InferenceContext whole(model_->traits().kv_cache, 2, len);
+    if (dtype != at::kFloat) {
+      ForwardArgs args;
+      args.input_ids = all.ids;
+      args.attention_mask = all.mask;
+      args.position_ids = plan.prompt_positions;
+      args.context = &whole;
+      args.vision = batch_vision();
+      full = model_->forward(args);
+      report("gemma3 bfloat16 cache: one cached forward vs the forward without a cache, max|diff|",
+             max_abs_diff(full, without_cache));
+      EXPECT_GT(max_abs_diff(full, without_cache), 1e-4) << "the cache was not rounded";
+    }
+    InferenceContext ctx(model_->traits().kv_cache, 2, len);
+    double worst = 0.0;
+    for (int64_t start = 0; start < len;) {
+      const int64_t end = start == 0 ? prompt : start + 1;
+      ForwardArgs args;
+      args.input_ids = all.ids.narrow(1, start, end - start);
+      args.attention_mask = all.mask.narrow(1, 0, end);
+      args.position_ids = plan.prompt_positions.narrow(1, start, end - start);
+      args.context = &ctx;
+      args.window_start = start;
+      if (start == 0) args.vision = batch_vision();
+      const at::Tensor logits = model_->forward(args);
+      ctx.commit(args.input_ids, all.mask.narrow(1, start, end - start));
+      if (start > 0) worst = std::max(worst, max_abs_diff(logits, full.narrow(1, start, 1)));
+      start = end;
+    }
+    report(dtype == at::kFloat ? "gemma3 cached decode steps past the sliding window vs full forward, max|diff|"
+                               : "gemma3 bfloat16 cache: decode steps vs one cached forward, max|diff|",
+           worst);
+    // Rounding to bfloat16 is a step function: the last-bit differences between a step and the
+    // one-call forward flip a few keys' roundings (a 2^-9 change each), 200x below what the
+    // rounding itself moves.
+    EXPECT_LE(worst, dtype == at::kFloat ? kCacheTolerance : 2e-4);
   }
-  report("gemma3 cached decode steps past the sliding window vs full forward, max|diff|", worst);
-  EXPECT_LE(worst, kCacheTolerance);
+  model_->set_kv_cache_dtype(at::kFloat);
 }
 
 TEST_F(Gemma3Test, BadImagesAreRefusedBeforeTheModelRunsAndTheModelStaysUsable) {

@@ -273,6 +273,44 @@ TEST(CpuKernels, DecodeAttentionWithEveryKeyBlockedAveragesAllValues) {
   }
 }
 
+// A bfloat16 cache: keys and values widened exactly as they are read, so every path gives bit
+// for bit what it gives over the same values stored as float32: head dims with and without a
+// scalar tail and the register-blocked value pass, padding, causal columns, a cache view, and a
+// row with every key blocked.
+TEST(CpuKernels, DecodeAttentionOverABfloat16CacheIsTheFloat32PathOnTheSameValues) {
+  at::manual_seed(8);
+  for (int64_t d : {24, 40, 64, 128}) {
+    const int64_t keys = 70, capacity = 80, s = 2;
+    const at::Tensor k_cache = (at::randn({2, 2, capacity, d}) * 2).to(at::kBFloat16);
+    const at::Tensor v_cache = at::randn({2, 2, capacity, d}).to(at::kBFloat16);
+    const at::Tensor k = k_cache.narrow(2, 0, keys), v = v_cache.narrow(2, 0, keys);
+    const at::Tensor q = at::randn({2, 6, s, d});
+    at::Tensor real = at::ones({2, keys}, at::kLong);
+    real[1].narrow(0, 0, 20).fill_(0);
+    at::Tensor none = at::zeros({2, keys}, at::kLong);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    for (Isa isa : kernels::supported_isas()) {
+      SCOPED_TRACE(testing::Message() << kernels::isa_name(isa) << " d " << d);
+      for (const at::Tensor& r : {real, none}) {
+        const at::Tensor got = kernels::decode_attention_on(isa, q, k, v, r, keys - s, scale);
+        const at::Tensor want =
+            kernels::decode_attention_on(isa, q, k.to(at::kFloat), v.to(at::kFloat), r, keys - s, scale);
+        EXPECT_TRUE(at::equal(got, want)) << "max |diff| " << (got - want).abs().max().item<double>();
+      }
+      EXPECT_LT((kernels::decode_attention_on(isa, q, k, v, real, keys - s, scale).to(at::kDouble) -
+                 reference_attention(q, k.to(at::kFloat), v.to(at::kFloat), real, keys - s, scale))
+                    .abs()
+                    .max()
+                    .item<double>(),
+                2e-5);
+    }
+  }
+  // Keys and values of one dtype each.
+  const at::Tensor q = at::randn({1, 2, 1, 16}), k = at::randn({1, 1, 5, 16});
+  EXPECT_THROW(kernels::decode_attention(q, k.to(at::kBFloat16), k, at::ones({1, 5}), 4, 1.0), Error);
+  EXPECT_THROW(kernels::decode_attention(q, k.to(at::kHalf), k.to(at::kHalf), at::ones({1, 5}), 4, 1.0), Error);
+}
+
 TEST(CpuKernels, DecodeAttentionRefusesMismatchedShapes) {
   at::Tensor q = at::randn({1, 3, 1, 16}), k = at::randn({1, 2, 5, 16});
   EXPECT_THROW(kernels::decode_attention(q, k, k, at::ones({1, 5}), 4, 1.0), Error);  // 3 heads over 2 KV heads

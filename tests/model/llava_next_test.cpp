@@ -297,6 +297,18 @@ TEST_F(LlavaNextTest, CheckpointsRoundTripInBothSpellingsAndSixteenBit) {
   auto bf16 = LlavaNext::from_checkpoint(scratch.dir("old"), ParallelContext::single(), options);
   EXPECT_EQ(bf16->language_model().weights_dtype(), at::kBFloat16);
   EXPECT_LE(batch_logit_error(*bf16), 0.2);  // bf16 weights: near the float32 model
+  // A bfloat16 KV cache: the model and its decoder allocate it, and its cached decode stays near.
+  options.kv_cache_dtype = at::kBFloat16;
+  auto kv16 = LlavaNext::from_checkpoint(scratch.dir("old"), ParallelContext::single(), options);
+  EXPECT_EQ(kv16->traits().kv_cache.dtype, at::kBFloat16);
+  EXPECT_EQ(kv16->language_model().traits().kv_cache.dtype, at::kBFloat16);
+  const GenerationConfig greedy = GenerationConfig().max_new_tokens(4).return_logprobs(true);
+  const GenerateRequest request = make_request(batch_rows(), batch_vision());
+  const GenerationResult with_kv16 = Generator(*kv16).generate(request, greedy);
+  const GenerationResult with_f32 = Generator(*bf16).generate(request, greedy);
+  EXPECT_EQ(with_kv16.sequences[0].tokens[0], with_f32.sequences[0].tokens[0]);
+  EXPECT_NEAR(with_kv16.sequences[0].logprobs[0], with_f32.sequences[0].logprobs[0], 0.05);
+  EXPECT_NE(with_kv16.sequences[0].logprobs[0], with_f32.sequences[0].logprobs[0]);  // the cache was rounded
 
   old.erase("vision_tower.vision_model.encoder.layers.1.mlp.fc2.weight");
   for (auto& [name, tensor] : old) tensor = tensor.to(at::kFloat);

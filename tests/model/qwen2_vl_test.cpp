@@ -123,7 +123,9 @@ TEST_F(Qwen2VlTest, NamedWeightsUseHfNamesAndShapes) {
 }
 
 TEST_F(Qwen2VlTest, IncrementalDecodingMatchesFullForward) {
-  // Two left-padded rows, each with its own image, then 5 tokens fed one at a time.
+  // Two left-padded rows, each with its own image, then 5 tokens fed one at a time; with a
+  // float32 cache against the forward without one, and with a bfloat16 cache against one
+  // forward of every column into such a cache (its queries see the rounded keys and values too).
   VisionInputs vision = make_vision(config_, {{1, 4, 4}, {1, 4, 8}}, 11);
   std::vector<std::vector<int64_t>> prompts = {image_prompt({1, 2, 3, 4, 5}, 4, {6, 7}),
                                                image_prompt({9}, 8, {10, 11, 12})};
@@ -141,32 +143,47 @@ TEST_F(Qwen2VlTest, IncrementalDecodingMatchesFullForward) {
   full.attention_mask = all.mask;
   full.position_ids = positions;
   full.vision = vision;
-  at::Tensor expected = model_.forward(full);  // [2, total, vocab]
-
-  InferenceContext ctx(model_.traits().kv_cache, 2, total);
-  std::vector<at::Tensor> pieces;
-  for (int64_t start = 0; start < total;) {
-    const int64_t end = start == 0 ? len : start + 1;
-    ForwardArgs args;
-    args.input_ids = all.ids.narrow(1, start, end - start);
-    args.attention_mask = all.mask.narrow(1, 0, end);
-    args.position_ids = positions.narrow(-1, start, end - start);
-    args.context = &ctx;
-    args.window_start = start;
-    if (start == 0) args.vision = vision;
-    pieces.push_back(model_.forward(args));
-    EXPECT_EQ(ctx.length(), start) << "the model must not commit";
-    ctx.commit(args.input_ids, all.mask.narrow(1, start, end - start));
-    start = end;
+  const at::Tensor without_cache = model_.forward(full);  // [2, total, vocab]
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    model_.set_kv_cache_dtype(dtype);
+    at::Tensor expected = without_cache;
+    InferenceContext whole(model_.traits().kv_cache, 2, total);
+    if (dtype != at::kFloat) {
+      full.context = &whole;
+      expected = model_.forward(full);
+      report("bfloat16 cache: one cached forward vs the forward without a cache, max|diff|",
+             max_abs_diff(expected, without_cache));
+      EXPECT_GT(max_abs_diff(expected, without_cache), 1e-4) << "the cache was not rounded";
+    }
+    InferenceContext ctx(model_.traits().kv_cache, 2, total);
+    std::vector<at::Tensor> pieces;
+    for (int64_t start = 0; start < total;) {
+      const int64_t end = start == 0 ? len : start + 1;
+      ForwardArgs args;
+      args.input_ids = all.ids.narrow(1, start, end - start);
+      args.attention_mask = all.mask.narrow(1, 0, end);
+      args.position_ids = positions.narrow(-1, start, end - start);
+      args.context = &ctx;
+      args.window_start = start;
+      if (start == 0) args.vision = vision;
+      pieces.push_back(model_.forward(args));
+      EXPECT_EQ(ctx.length(), start) << "the model must not commit";
+      ctx.commit(args.input_ids, all.mask.narrow(1, start, end - start));
+      start = end;
+    }
+    at::Tensor incremental = at::cat(pieces, 1);
+    // Only real columns carry meaning; padding query rows are ignored by every consumer.
+    at::Tensor real = all.mask.to(at::kBool).unsqueeze(-1);
+    const double diff = max_abs_diff(expected.masked_fill(~real, 0), incremental.masked_fill(~real, 0));
+    report(dtype == at::kFloat ? "incremental vs full forward max|diff|"
+                               : "bfloat16 cache: incremental vs one cached forward max|diff|",
+           diff);
+    EXPECT_LE(diff, kCacheTolerance);
+    EXPECT_FALSE(incremental.isnan().any().item<bool>());
+    EXPECT_FALSE(expected.isnan().any().item<bool>()) << "padding query rows must not produce NaN";
   }
-  at::Tensor incremental = at::cat(pieces, 1);
-  // Only real columns carry meaning; padding query rows are ignored by every consumer.
-  at::Tensor real = all.mask.to(at::kBool).unsqueeze(-1);
-  const double diff = max_abs_diff(expected.masked_fill(~real, 0), incremental.masked_fill(~real, 0));
-  report("incremental vs full forward max|diff|", diff);
-  EXPECT_LE(diff, kCacheTolerance);
-  EXPECT_FALSE(incremental.isnan().any().item<bool>());
-  EXPECT_FALSE(expected.isnan().any().item<bool>()) << "padding query rows must not produce NaN";
+  model_.set_kv_cache_dtype(at::kFloat);
 }
 
 TEST_F(Qwen2VlTest, PaddedBatchRowsMatchRowsAlone) {

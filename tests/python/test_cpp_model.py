@@ -87,3 +87,22 @@ def test_load_model_keeps_16_bit_weights_when_asked_and_refuses_unknown_dtypes(c
     with pytest.raises(vlmgen.Error, match="'cpu', 'cuda' or 'cuda:N', got 'gpu'"):
         vlmgen.load_model(checkpoint, device="gpu")
     assert vlmgen.load_model(checkpoint, device="cpu").device == "cpu"
+
+
+def test_load_model_with_a_bfloat16_kv_cache(checkpoint):
+    # The model's caches store bfloat16 (half the bytes); its first step (the prompt, written to the
+    # cache and read back rounded) stays near the float32 cache's log-prob but is not the same.
+    vision = vlmgen.preprocess_images([IMAGE_FILE], checkpoint=checkpoint, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    wide = vlmgen.load_model(checkpoint)
+    half = vlmgen.load_model(checkpoint, kv_cache_dtype="bf16")
+    assert wide.traits.kv_cache.dtype == "float32" and half.traits.kv_cache.dtype == "bfloat16"
+    (count,) = half.placeholder_counts(vision)
+    prompt = [1, 2, VISION_START] + [IMAGE] * count + [VISION_END, 3]
+    config = vlmgen.GenerationConfig(max_new_tokens=NEW_TOKENS, return_logprobs=True)
+    f32 = vlmgen.Generator(wide).generate([prompt], config, vision=vision)
+    bf16 = vlmgen.Generator(half).generate([prompt], config, vision=vision)
+    assert bf16.tokens[0][0] == f32.tokens[0][0]
+    assert bf16.sequences[0].logprobs[0] == pytest.approx(f32.sequences[0].logprobs[0], abs=0.05)
+    assert bf16.sequences[0].logprobs[0] != f32.sequences[0].logprobs[0]
+    with pytest.raises(vlmgen.Error, match="KV cache dtype must be f32 or bf16, got 'f16'"):
+        vlmgen.load_model(checkpoint, kv_cache_dtype="f16")

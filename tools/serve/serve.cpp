@@ -41,7 +41,7 @@ extern "C" void on_signal(int sig) { g_signal.store(sig); }
 int follow(const Options& o, const ParallelContext& parallel) {
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
-  auto model = load_model(o.model, parallel, load_options_for(o.dtype, o.device));
+  auto model = load_model(o.model, parallel, load_options_for(o.dtype, o.device, o.kv_dtype));
   Engine engine(*model, engine_options(o), parallel);
   engine.join();
   return 0;
@@ -57,6 +57,9 @@ void add_options(CLI::App& app, Options& o) {
                  "weights of the language model: f32, bf16 (half the bytes a decode step reads), f16, or fp8 (an FP8 "
                  "checkpoint's linears kept as bytes, the rest bf16; CPU)")
       ->check(CLI::IsMember({"f32", "bf16", "f16", "fp8"}))
+      ->capture_default_str();
+  app.add_option("--kv-dtype", o.kv_dtype, vlmgen::kKvCacheDtypeHelp)
+      ->check(CLI::IsMember({"f32", "bf16"}))
       ->capture_default_str();
   app.add_option("--device", o.device,
                  "cpu, cuda or cuda:N (with --nproc, 'cuda' gives each rank the device of its local rank; use "

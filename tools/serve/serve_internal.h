@@ -38,6 +38,7 @@ inline double seconds_between(Clock::time_point a, Clock::time_point b) {
 struct Options {
   std::string model;
   std::string dtype = "f32";  // weights dtype of the language model
+  std::string kv_dtype = "f32";
   std::string device = "cpu";
   std::string model_name;
   std::string host = "127.0.0.1";

@@ -24,7 +24,7 @@ Server::Server(const Options& options, const ParallelContext& parallel) : option
   std::string source;
   processor_ = std::make_unique<ChatProcessor>(ChatProcessor::from_pretrained(
       options.model, *tokenizer_, ChatImageFormat::from_pretrained(options.model, *tokenizer_, &source)));
-  model_ = load_model(options.model, parallel, load_options_for(options.dtype, options.device));
+  model_ = load_model(options.model, parallel, load_options_for(options.dtype, options.device, options.kv_dtype));
   end_ids_ = end_token_ids_from_pretrained(options.model, *tokenizer_);
   engine_ = std::make_unique<Engine>(*model_, engine_options(options), parallel);
   limits_.default_max_tokens = options.default_max_tokens;

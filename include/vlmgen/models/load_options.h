@@ -38,6 +38,11 @@ struct LoadOptions {
   /// hypervisor), for at most 2 MiB more resident memory. false keeps each weight in its own
   /// allocation.
   bool huge_pages = true;
+  /// What the model's KV caches store (its traits().kv_cache.dtype, which generators and the
+  /// engine allocate): float32 (default; exact parity with the reference) or bfloat16, half the
+  /// cache's memory and half the bytes a long-context decode step reads, each key and value
+  /// rounded to bfloat16 when written; attention still computes in float32.
+  at::ScalarType kv_cache_dtype = at::kFloat;
 };
 
 /// "cpu", "cuda" (device 0) or "cuda:N" as an at::Device, checked against what this process can
@@ -91,11 +96,26 @@ inline LoadOptions load_options_for_dtype(const std::string& name) {
   return options;
 }
 
-/// The options a command line's `--dtype` and `--device` name. In a multi-process run a plain
+/// The options a command line's `--dtype`, `--device` and `--kv-dtype` name. In a multi-process run a plain
 /// "cuda" names the device of this process's LOCAL_RANK (torchrun's convention, and what
 /// `--nproc` sets); "cuda:N" is taken as written.
-inline LoadOptions load_options_for(const std::string& dtype, const std::string& device) {
+/// The command lines' help for --kv-dtype.
+inline constexpr const char* kKvCacheDtypeHelp =
+    "what the KV cache stores: f32 (default, exact) or bf16 (half the cache's memory and of the bytes a "
+    "long-context decode step reads; keys and values rounded to bfloat16, attention still float32)";
+
+/// "f32"/"float32" or "bf16"/"bfloat16": what the model's KV caches store
+/// (LoadOptions::kv_cache_dtype); anything else is a vlmgen::Error listing those.
+inline at::ScalarType parse_kv_cache_dtype(const std::string& name) {
+  if (name == "f32" || name == "float32") return at::kFloat;
+  if (name == "bf16" || name == "bfloat16") return at::kBFloat16;
+  VLMGEN_FAIL("KV cache dtype must be f32 or bf16, got '{}'", name);
+}
+
+inline LoadOptions load_options_for(const std::string& dtype, const std::string& device,
+                                    const std::string& kv_cache_dtype = "f32") {
   LoadOptions options = load_options_for_dtype(dtype);
+  options.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype);
   const char* local_rank = std::getenv("LOCAL_RANK");
   options.device = parse_device(
       device == "cuda" && local_rank != nullptr && *local_rank != '\0' ? "cuda:" + std::string(local_rank) : device);
