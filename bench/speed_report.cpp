@@ -105,6 +105,45 @@ double prefill_tokens_per_s(QwenVl& model, int64_t s) {
   return static_cast<double>(s) / seconds_since(t);
 }
 
+/// Every dtype loaded from a checkpoint of the same weights, as a user loads a model (the loader
+/// puts the decode weights on huge pages); FP8 through the quantizer (blocks of 128 x 128, the
+/// output head too), computed from the bytes; bf16 and fp8 again over a bfloat16 KV cache.
+void load_models(std::map<std::string, std::unique_ptr<QwenVl>>& models, std::map<std::string, double>& weight_mb) {
+  const std::filesystem::path scratch =
+      std::filesystem::temp_directory_path() / fmt::format("vlmgen-bench-{}", static_cast<long>(::getpid()));
+  QwenVl(config_100m(), 1).save_checkpoint((scratch / "f32").string());
+  QuantizeOptions fp8;
+  fp8.quantize_lm_head = true;
+  quantize_checkpoint((scratch / "f32").string(), (scratch / "fp8").string(), fp8);
+  for (const char* dtype : {"f32", "bf16", "fp8"}) {
+    const std::string from = (scratch / (std::string(dtype) == "fp8" ? "fp8" : "f32")).string();
+    models[dtype] = QwenVl::from_checkpoint(from, ParallelContext::single(), load_options_for_dtype(dtype));
+    weight_mb[dtype] = static_cast<double>(model_bytes(*models[dtype])) / 1e6;
+    if (std::string(dtype) == "f32") continue;
+    LoadOptions kv16 = load_options_for_dtype(dtype);  // the same weights over a bfloat16 KV cache
+    kv16.kv_cache_dtype = at::kBFloat16;
+    models[std::string(dtype) + "_kv16"] = QwenVl::from_checkpoint(from, ParallelContext::single(), kv16);
+    weight_mb[std::string(dtype) + "_kv16"] = weight_mb[dtype];
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(scratch, ec);
+}
+
+/// The decode times of the bfloat16-cache models, printed against f32's and added to `out`.
+void report_kv16(std::map<std::string, std::map<std::string, std::vector<double>>>& runs, nlohmann::json& out) {
+  fmt::print("\n{:<34}{:>10}{:>10}{:>10}{:>10}\n", "with a bfloat16 KV cache (medians)", "bf16", "speedup", "fp8",
+             "speedup");
+  for (const int64_t ctx : {128, 512, 2048}) {
+    const std::string name = fmt::format("decode ms/token, context {}", ctx);
+    const double f = median(runs[name]["f32"]), h = median(runs[name]["bf16_kv16"]), e = median(runs[name]["fp8_kv16"]);
+    fmt::print("{:<34}{:>10.2f}{:>9.2f}x{:>10.2f}{:>9.2f}x\n", name, h, f / h, e, f / e);
+    for (const char* dtype : {"bf16_kv16", "fp8_kv16"}) {
+      out[name][dtype] = median(runs[name][dtype]);
+      out[name][std::string("rounds_") + dtype] = runs[name][dtype];
+    }
+  }
+}
+
 }  // namespace
 
 int run_memory_report(const std::string& dtype, const std::string& checkpoint) {
@@ -136,28 +175,7 @@ int run_speed_report(int rounds, const std::string& json_path) {
   const auto [rss_before, hwm_before] = rss_mb();
   std::map<std::string, std::unique_ptr<QwenVl>> models;
   std::map<std::string, double> weight_mb;
-  {  // Every dtype loaded from a checkpoint of the same weights, as a user loads a model (the
-     // loader puts the decode weights on huge pages); FP8 through the quantizer (blocks of
-     // 128 x 128, the output head too), computed from the bytes.
-    const std::filesystem::path scratch =
-        std::filesystem::temp_directory_path() / fmt::format("vlmgen-bench-{}", static_cast<long>(::getpid()));
-    QwenVl(config_100m(), 1).save_checkpoint((scratch / "f32").string());
-    QuantizeOptions fp8;
-    fp8.quantize_lm_head = true;
-    quantize_checkpoint((scratch / "f32").string(), (scratch / "fp8").string(), fp8);
-    for (const char* dtype : {"f32", "bf16", "fp8"}) {
-      const std::string from = (scratch / (std::string(dtype) == "fp8" ? "fp8" : "f32")).string();
-      models[dtype] = QwenVl::from_checkpoint(from, ParallelContext::single(), load_options_for_dtype(dtype));
-      weight_mb[dtype] = static_cast<double>(model_bytes(*models[dtype])) / 1e6;
-      if (std::string(dtype) == "f32") continue;
-      LoadOptions kv16 = load_options_for_dtype(dtype);  // the same weights over a bfloat16 KV cache
-      kv16.kv_cache_dtype = at::kBFloat16;
-      models[std::string(dtype) + "_kv16"] = QwenVl::from_checkpoint(from, ParallelContext::single(), kv16);
-      weight_mb[std::string(dtype) + "_kv16"] = weight_mb[dtype];
-    }
-    std::error_code ec;
-    std::filesystem::remove_all(scratch, ec);
-  }
+  load_models(models, weight_mb);
   const auto [rss_after, hwm_after] = rss_mb();
 
   // figure -> dtype -> rounds
@@ -200,17 +218,7 @@ int run_speed_report(int rounds, const std::string& json_path) {
                  {"rounds_bf16", runs[name]["bf16"]},
                  {"rounds_fp8", runs[name]["fp8"]}};
   }
-  fmt::print("\n{:<34}{:>10}{:>10}{:>10}{:>10}\n", "with a bfloat16 KV cache (medians)", "bf16", "speedup", "fp8",
-             "speedup");
-  for (const int64_t ctx : {128, 512, 2048}) {
-    const std::string name = fmt::format("decode ms/token, context {}", ctx);
-    const double f = median(runs[name]["f32"]), h = median(runs[name]["bf16_kv16"]), e = median(runs[name]["fp8_kv16"]);
-    fmt::print("{:<34}{:>10.2f}{:>9.2f}x{:>10.2f}{:>9.2f}x\n", name, h, f / h, e, f / e);
-    for (const char* dtype : {"bf16_kv16", "fp8_kv16"}) {
-      out[name][dtype] = median(runs[name][dtype]);
-      out[name][std::string("rounds_") + dtype] = runs[name][dtype];
-    }
-  }
+  report_kv16(runs, out);
   auto ratio = [&](const std::string& a, const std::string& b, const char* dtype) {
     return median(runs[a][dtype]) / median(runs[b][dtype]);
   };

@@ -32,9 +32,14 @@ struct KvCacheSpec {
 /// The dtypes the shipped models' KV caches may store (CausalVlm::set_kv_cache_dtype): float32
 /// (exact) or bfloat16 (half the bytes; each key and value rounded to nearest even when written,
 /// read back exactly, attention still float32). A context itself holds any dtype its model uses.
-inline void check_kv_cache_dtype(at::ScalarType dtype) {
+/// bfloat16 on the CPU only: the CPU decode kernel reads the bits as it goes, where elsewhere every
+/// step would widen the whole cache.
+inline void check_kv_cache_dtype(at::ScalarType dtype, at::Device device) {
   VLMGEN_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "a KV cache stores float32 or bfloat16, not {}",
                c10::toString(dtype));
+  VLMGEN_CHECK(dtype == at::kFloat || device.is_cpu(),
+               "a bfloat16 KV cache is for models on the CPU, but this one is on {}; keep the float32 cache there",
+               device.str());
 }
 
 /// An image whose placeholders lie in a context's committed columns, with a fingerprint of its

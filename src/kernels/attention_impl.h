@@ -234,11 +234,10 @@ void softmax_row(float* sc, const uint8_t* real, int64_t limit, bool all_real) {
   // The largest real score: keys that are not real hold -inf (or, masked, stale scores).
   float top = -INFINITY;
   if (all_real) {
-    constexpr int64_t L0 = Vec::kLanes;
     typename Vec::V top_v = Vec::set1(-INFINITY);
     int64_t k = 0;
-    for (; k + L0 <= limit; k += L0) top_v = Vec::max(Vec::load(sc + k), top_v);
-    float lanes[L0];
+    for (; k + L <= limit; k += L) top_v = Vec::max(Vec::load(sc + k), top_v);
+    float lanes[L];
     Vec::store(lanes, top_v);
     for (float v : lanes) top = v > top ? v : top;
     for (; k < limit; ++k) top = sc[k] > top ? sc[k] : top;

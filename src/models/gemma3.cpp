@@ -145,7 +145,7 @@ void Gemma3::allocate_weights() {
 }
 
 void Gemma3::set_kv_cache_dtype(at::ScalarType dtype) {
-  check_kv_cache_dtype(dtype);
+  check_kv_cache_dtype(dtype, device());
   traits_.kv_cache.dtype = dtype;
 }
 

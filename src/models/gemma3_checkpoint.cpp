@@ -22,6 +22,7 @@ bool starts_with(const std::string& s, const std::string& prefix) { return s.com
 
 std::unique_ptr<Gemma3> Gemma3::from_checkpoint(const std::string& dir, const ParallelContext& parallel,
                                                 const LoadOptions& options) {
+  check_kv_cache_dtype(options.kv_cache_dtype, options.device);
   const at::ScalarType dtype = options.weights_dtype;
   VLMGEN_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
                "gemma3 weights can be loaded as float32, bfloat16 or float16, got {}", c10::toString(dtype));

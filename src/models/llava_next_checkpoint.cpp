@@ -29,6 +29,7 @@ std::string decoder_name(const std::string& name) {
 std::unique_ptr<LlavaNext> LlavaNext::from_checkpoint(const std::string& dir, const ParallelContext& parallel,
                                                       const LoadOptions& options) {
   QwenVl::check_weights_dtype(options.weights_dtype);
+  check_kv_cache_dtype(options.kv_cache_dtype, options.device);
   VLMGEN_CHECK(!options.keep_fp8,
                "llava_next: FP8 weights (keep_fp8 / --dtype fp8) are not implemented for this family");
   const std::filesystem::path root(dir);

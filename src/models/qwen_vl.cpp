@@ -267,7 +267,7 @@ qwen_vl::ShardLayout QwenVl::shard_layout(const std::string& name) const {
 }
 
 void QwenVl::set_kv_cache_dtype(at::ScalarType dtype) {
-  check_kv_cache_dtype(dtype);
+  check_kv_cache_dtype(dtype, device());
   traits_.kv_cache.dtype = dtype;
 }
 

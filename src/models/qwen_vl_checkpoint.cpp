@@ -105,7 +105,8 @@ bool read_fp8_bytes(const SafetensorsCheckpoint& checkpoint, const std::string& 
   }
   const at::Tensor bytes = streamed.read(checkpoint, name, full, layout, rank, tp, at::kByte, target);
   if (format == Fp8Format::kE4M3) {  // the kernels read bytes as halves, where E4M3's NaN would be a number
-    VLMGEN_CHECK(!has_e4m3_nan(bytes),
+    // Every rank checks the whole tensor, so all refuse it together (none waits in a collective).
+    VLMGEN_CHECK(!has_e4m3_nan(tp > 1 ? checkpoint.tensor(name) : bytes),
                  "FP8 tensor {} in checkpoint {} holds NaN bytes (0x7f or 0xff); E4M3 weights must be finite", name,
                  dir);
   }
@@ -119,6 +120,7 @@ bool read_fp8_bytes(const SafetensorsCheckpoint& checkpoint, const std::string& 
 std::unique_ptr<QwenVl> QwenVl::from_checkpoint(const std::string& dir, const ParallelContext& parallel,
                                                 const LoadOptions& options) {
   check_weights_dtype(options.weights_dtype);
+  check_kv_cache_dtype(options.kv_cache_dtype, options.device);
   VLMGEN_CHECK(options.device.is_cpu() || !options.keep_fp8,
                "FP8 weights kept as bytes (keep_fp8 / --dtype fp8) compute on the CPU only, but device {} was asked "
                "for; load with --dtype bf16 to dequantize them for that device",

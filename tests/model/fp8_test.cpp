@@ -773,6 +773,7 @@ TEST(Fp8Load, PeakResidentMemoryOfABytesLoadIsTheWeights) {
   const LoadOptions keep = load_options_for_dtype("fp8");  // as --dtype fp8: 16-bit embedding
   std::ofstream("/proc/self/clear_refs") << "5";           // the peak starts again from the present RSS
   const int64_t start = status_kb("VmRSS:");
+  if (status_kb("VmHWM:") > start + 4096) GTEST_SKIP() << "this kernel does not reset the peak RSS";
   std::unique_ptr<QwenVl> model = QwenVl::from_checkpoint(scratch.dir("fp8"), ParallelContext::single(), keep);
   const int64_t peak = status_kb("VmHWM:");
   int64_t bytes = 0;

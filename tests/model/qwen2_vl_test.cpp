@@ -179,7 +179,9 @@ TEST_F(Qwen2VlTest, IncrementalDecodingMatchesFullForward) {
     report(dtype == at::kFloat ? "incremental vs full forward max|diff|"
                                : "bfloat16 cache: incremental vs one cached forward max|diff|",
            diff);
-    EXPECT_LE(diff, kCacheTolerance);
+    // bfloat16 rounding is a step function: last-bit differences between the calls can flip a
+    // key's rounding (a 2^-9 change), so that bound is looser, still 5x below the rounding's own.
+    EXPECT_LE(diff, dtype == at::kFloat ? kCacheTolerance : 2e-4);
     EXPECT_FALSE(incremental.isnan().any().item<bool>());
     EXPECT_FALSE(expected.isnan().any().item<bool>()) << "padding query rows must not produce NaN";
   }

@@ -96,9 +96,6 @@ inline LoadOptions load_options_for_dtype(const std::string& name) {
   return options;
 }
 
-/// The options a command line's `--dtype`, `--device` and `--kv-dtype` name. In a multi-process run a plain
-/// "cuda" names the device of this process's LOCAL_RANK (torchrun's convention, and what
-/// `--nproc` sets); "cuda:N" is taken as written.
 /// The command lines' help for --kv-dtype.
 inline constexpr const char* kKvCacheDtypeHelp =
     "what the KV cache stores: f32 (default, exact) or bf16 (half the cache's memory and of the bytes a "
@@ -112,6 +109,9 @@ inline at::ScalarType parse_kv_cache_dtype(const std::string& name) {
   VLMGEN_FAIL("KV cache dtype must be f32 or bf16, got '{}'", name);
 }
 
+/// The options a command line's `--dtype`, `--device` and `--kv-dtype` name. In a multi-process run a plain
+/// "cuda" names the device of this process's LOCAL_RANK (torchrun's convention, and what
+/// `--nproc` sets); "cuda:N" is taken as written.
 inline LoadOptions load_options_for(const std::string& dtype, const std::string& device,
                                     const std::string& kv_cache_dtype = "f32") {
   LoadOptions options = load_options_for_dtype(dtype);
