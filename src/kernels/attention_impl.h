@@ -114,25 +114,16 @@ inline float kv_value(uint16_t b) {
   __builtin_memcpy(&f, &bits, sizeof f);
   return f;
 }
+/// The cache's keys (or values) as stored: float32, or bfloat16 bits (HeadGroupAttention::k16).
 template <class T>
-const T* cache_keys(const HeadGroupAttention& a);
+const T* cache_rows(const HeadGroupAttention& a, bool values);
 template <>
-inline const float* cache_keys<float>(const HeadGroupAttention& a) {
-  return a.k;
+inline const float* cache_rows<float>(const HeadGroupAttention& a, bool values) {
+  return values ? a.v : a.k;
 }
 template <>
-inline const uint16_t* cache_keys<uint16_t>(const HeadGroupAttention& a) {
-  return a.k16;
-}
-template <class T>
-const T* cache_values(const HeadGroupAttention& a);
-template <>
-inline const float* cache_values<float>(const HeadGroupAttention& a) {
-  return a.v;
-}
-template <>
-inline const uint16_t* cache_values<uint16_t>(const HeadGroupAttention& a) {
-  return a.v16;
+inline const uint16_t* cache_rows<uint16_t>(const HeadGroupAttention& a, bool values) {
+  return values ? a.v16 : a.k16;
 }
 
 template <class Vec, class T>
@@ -155,7 +146,7 @@ void score_block(const HeadGroupAttention& a, int64_t g, int64_t s, int64_t j) {
   using V = typename Vec::V;
   constexpr int64_t L = Vec::kLanes;
   const float* q = a.q + g * a.q_head_stride + s * a.dim;
-  const T* keys = cache_keys<T>(a) + j * a.kv_row_stride;
+  const T* keys = cache_rows<T>(a, false) + j * a.kv_row_stride;
   V acc[L];
   for (int64_t kk = 0; kk < L; ++kk) acc[kk] = Vec::zero();
   for (int64_t i = 0; i < a.dim; i += L) {  // each query vector loaded once for the block's keys
@@ -191,7 +182,7 @@ void value_chunk(const HeadGroupAttention& a, const float* p, int64_t s, int64_t
     for (int c = 0; c < DN; ++c) acc[g][c] = Vec::zero();
   for (int64_t j = 0; j < limit; ++j) {
     if (a.key_real[j] == 0) continue;
-    const T* vj = cache_values<T>(a) + j * a.kv_row_stride + d0;
+    const T* vj = cache_rows<T>(a, true) + j * a.kv_row_stride + d0;
     V vv[DN];
     for (int c = 0; c < DN; ++c) vv[c] = load_kv<Vec>(vj + c * L);
     for (int g = 0; g < GC; ++g) {
@@ -221,7 +212,7 @@ void value_pass(const HeadGroupAttention& a, const float* p, int64_t s, int64_t 
     for (int64_t j = 0; j < limit; ++j) {
       if (a.key_real[j] == 0) continue;
       const float w = p[g * a.keys + j];
-      const T* vj = cache_values<T>(a) + j * a.kv_row_stride;
+      const T* vj = cache_rows<T>(a, true) + j * a.kv_row_stride;
       for (int64_t d = aligned; d < a.dim; ++d) out[d] = __builtin_fmaf(w, kv_value(vj[d]), out[d]);
     }
   }
@@ -289,7 +280,7 @@ void attention_of(const HeadGroupAttention& a) {
       const float w = a.keys > 0 ? 1.0f / static_cast<float>(a.keys) : 0.0f;
       for (int64_t j = 0; j < a.keys; ++j)
         for (int64_t g = 0; g < a.groups; ++g)
-          axpy<Vec>(w, cache_values<T>(a) + j * a.kv_row_stride, a.out + g * a.q_head_stride + s * dim, dim);
+          axpy<Vec>(w, cache_rows<T>(a, true) + j * a.kv_row_stride, a.out + g * a.q_head_stride + s * dim, dim);
       continue;
     }
     int64_t j = 0;
@@ -299,7 +290,7 @@ void attention_of(const HeadGroupAttention& a) {
           for (int64_t g = 0; g < a.groups; ++g) score_block<Vec, T>(a, g, s, j);
     }
     for (; j < limit; ++j) {
-      const T* key = cache_keys<T>(a) + j * a.kv_row_stride;
+      const T* key = cache_rows<T>(a, false) + j * a.kv_row_stride;
       for (int64_t g = 0; g < a.groups; ++g)
         a.scores[g * a.keys + j] =
             a.key_real[j] != 0 ? dot<Vec>(a.q + g * a.q_head_stride + s * dim, key, dim) * a.scale : -INFINITY;
