@@ -133,9 +133,12 @@ TEST_P(ForwardBatchTest, ACallWithImagesOrWithoutACacheRunsOnItsOwnWithTheSameLo
 INSTANTIATE_TEST_SUITE_P(Families, ForwardBatchTest,
                          ::testing::Values(QwenFamily::kQwen2Vl, QwenFamily::kQwen2_5Vl, QwenFamily::kQwen3Vl));
 
-TEST(EngineOnQwenVl, FusedDecodeStepsGiveEveryRequestTheTokensOfTheGeneratorAlone) {
+// Ten requests (text, an image, two rows, greedy and sampled) through the engine, their decode
+// steps fused, against the Generator alone, over a KV cache of `kv_dtype`.
+void expect_engine_tokens_equal_the_generators(at::ScalarType kv_dtype) {
   QwenVlConfig config = test_config();
   QwenVl model(config, 17);
+  model.set_kv_cache_dtype(kv_dtype);
   struct Case {
     GenerateRequest request;
     GenerationConfig config;
@@ -203,6 +206,21 @@ TEST(EngineOnQwenVl, FusedDecodeStepsGiveEveryRequestTheTokensOfTheGeneratorAlon
   }
   EXPECT_GT(batched, 0);
   EXPECT_EQ(prefills_with_images, 3);
+}
+
+TEST(EngineOnQwenVl, FusedDecodeStepsGiveEveryRequestTheTokensOfTheGeneratorAlone) {
+  expect_engine_tokens_equal_the_generators(at::kFloat);
+}
+
+// A bfloat16 KV cache: the engine allocates it (half the bytes a column) and its fused steps read
+// it as the Generator's calls do.
+TEST(EngineOnQwenVl, WithABfloat16KvCacheTheRequestsGetTheGeneratorsTokens) {
+  expect_engine_tokens_equal_the_generators(at::kBFloat16);
+  QwenVl model(test_config(), 17);
+  const int64_t f32_blocks = Engine(model, EngineOptions()).metrics().kv_blocks_total;
+  model.set_kv_cache_dtype(at::kBFloat16);
+  EXPECT_GT(f32_blocks, 0);
+  EXPECT_EQ(Engine(model, EngineOptions()).metrics().kv_blocks_total, 2 * f32_blocks);  // the same budget
 }
 
 }  // namespace
