@@ -145,8 +145,9 @@ at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at:
   std::vector<at::Tensor> outputs;
   const int64_t width = q.size(1) * q.size(2);
   for (const auto& [first, rows] : segments) {
-    const at::Tensor kt = k.narrow(0, first, rows).permute({1, 2, 0});  // [heads, head_dim, rows]
-    const at::Tensor vf = v.narrow(0, first, rows).transpose(0, 1);     // [heads, rows, head_dim]
+    // Contiguous once per segment: strided operands would be copied by every chunk's product.
+    const at::Tensor kt = k.narrow(0, first, rows).permute({1, 2, 0}).contiguous();  // [heads, head_dim, rows]
+    const at::Tensor vf = v.narrow(0, first, rows).transpose(0, 1).contiguous();     // [heads, rows, head_dim]
     for (int64_t c0 = 0; c0 < rows; c0 += kQueryChunk) {
       const int64_t n = std::min(kQueryChunk, rows - c0);
       const at::Tensor qf = q.narrow(0, first + c0, n).transpose(0, 1);  // [heads, n, head_dim]
