@@ -140,9 +140,10 @@ float dot(const float* a, const T* b, int64_t n) {
 /// The scores of query head g of column s for keys [j, j + kLanes): q . k * scale, -inf for keys
 /// that are not real; as dot() per key, bit for bit (but +0 where dot() * scale gives -0, which
 /// no softmax can tell), with the horizontal sums of a whole block of keys done together (dim a
-/// multiple of kLanes; used where Vec::lane_sums does them at once).
+/// multiple of kLanes; used where Vec::lane_sums does them at once). `all_real`: every key the
+/// column sees is real (no test per key).
 template <class Vec, class T>
-void score_block(const HeadGroupAttention& a, int64_t g, int64_t s, int64_t j) {
+void score_block(const HeadGroupAttention& a, int64_t g, int64_t s, int64_t j, bool all_real) {
   using V = typename Vec::V;
   constexpr int64_t L = Vec::kLanes;
   const float* q = a.q + g * a.q_head_stride + s * a.dim;
@@ -155,6 +156,7 @@ void score_block(const HeadGroupAttention& a, int64_t g, int64_t s, int64_t j) {
   }
   float* out = a.scores + g * a.keys + j;
   Vec::store(out, Vec::fma(Vec::lane_sums(acc), Vec::set1(a.scale), Vec::zero()));
+  if (all_real) return;  // the usual case: no key byte to test
   for (int64_t kk = 0; kk < L; ++kk)
     if (a.key_real[j + kk] == 0) out[kk] = -INFINITY;
 }
@@ -320,7 +322,7 @@ void attention_of(const HeadGroupAttention& a) {
       if (a.dim % Vec::kLanes == 0)
         for (; j + Vec::kLanes <= limit; j += Vec::kLanes) {
           fetch_ahead<T>(a, j, limit);
-          for (int64_t g = 0; g < a.groups; ++g) score_block<Vec, T>(a, g, s, j);
+          for (int64_t g = 0; g < a.groups; ++g) score_block<Vec, T>(a, g, s, j, real_keys == limit);
         }
     }
     for (; j < limit; ++j) {
