@@ -263,6 +263,26 @@ TEST(CpuKernels, DecodeAttentionOverLongCachesAndWideScoresOnHeadDimsOfEveryPath
   }
 }
 
+// Padding keys are never weighed, however large their scores would be: here q . k of a padded key
+// is about 400 (e^400 overflows a float), so a padded key that reached the softmax at all would
+// turn every output of its row into NaN or inf. Whole blocks of 16 padded keys, a block half
+// padded, and a row with none, on every path.
+TEST(CpuKernels, DecodeAttentionIgnoresPaddedKeysWhoseScoresWouldOverflow) {
+  at::manual_seed(9);
+  const int64_t keys = 56, d = 64;
+  at::Tensor q = at::full({2, 4, 1, d}, 0.5) + at::randn({2, 4, 1, d}) * 0.01;
+  at::Tensor k = at::randn({2, 2, keys, d}) * 0.5, v = at::randn({2, 2, keys, d});
+  at::Tensor real = at::ones({2, keys}, at::kBool);
+  real[0].narrow(0, 0, 24).fill_(false);  // row 0: a whole block and half of the next padded
+  k[0].narrow(1, 0, 24).fill_(100.0);     // their scores: 100 * 64 * 0.5 * 0.125 = 400
+  at::Tensor want = reference_attention(q, k, v, real, keys - 1, 0.125);
+  for (Isa isa : kernels::supported_isas()) {
+    at::Tensor got = kernels::decode_attention_on(isa, q, k, v, real, keys - 1, 0.125);
+    ASSERT_TRUE(at::isfinite(got).all().item<bool>()) << kernels::isa_name(isa);
+    EXPECT_LT((got.to(at::kDouble) - want).abs().max().item<double>(), 2e-5) << kernels::isa_name(isa);
+  }
+}
+
 TEST(CpuKernels, DecodeAttentionWithEveryKeyBlockedAveragesAllValues) {
   at::Tensor q = at::randn({1, 2, 1, 16}), k = at::randn({1, 1, 5, 16}), v = at::randn({1, 1, 5, 16});
   at::Tensor real = at::zeros({1, 5}, at::kBool);
