@@ -56,8 +56,10 @@ SPEED_FIGURES = [f"decode ms/token, context {c}" for c in CONTEXTS] + \
     [f"prefill tokens/s, {s} tokens" for s in PREFILL]
 KV16 = ", bf16 KV cache"  # vlmgen's 16-bit and fp8 weights over a bfloat16 KV cache (llama.cpp's KV is f16)
 KV16_FIGURES = [f"decode ms/token, context {c}{KV16}" for c in CONTEXTS]
+KV8 = ", fp8 KV cache"  # the same over an FP8 KV cache (--kv-dtype fp8)
+KV8_FIGURES = [f"decode ms/token, context {c}{KV8}" for c in CONTEXTS]
 RSS, WEIGHTS = "peak RSS (MB)", "weights (MB)"
-FIGURES = SPEED_FIGURES + KV16_FIGURES + [RSS, WEIGHTS]
+FIGURES = SPEED_FIGURES + KV16_FIGURES + KV8_FIGURES + [RSS, WEIGHTS]
 # (vlmgen weights dtype, llama.cpp GGUF type): one column pair each.
 PAIRS = [("f32", "f32"), ("bf16", "f16"), ("fp8", "q8_0")]
 COMMAND_TIMEOUT_S = 3600
@@ -161,9 +163,11 @@ def vlmgen_speed(bench, threads, json_path, log_path):
     for name in SPEED_FIGURES:
         entry = data.get(name) or {}
         figures[name] = {d: entry.get(d) for d, _ in PAIRS if isinstance(entry.get(d), (int, float))}
-    for name in KV16_FIGURES:
-        entry = data.get(name[:-len(KV16)]) or {}
-        figures[name] = {d: entry.get(d + "_kv16") for d, _ in PAIRS if isinstance(entry.get(d + "_kv16"), (int, float))}
+    for names, marker, suffix in ((KV16_FIGURES, KV16, "_kv16"), (KV8_FIGURES, KV8, "_kv8")):
+        for name in names:
+            entry = data.get(name[:-len(marker)]) or {}
+            figures[name] = {d: entry.get(d + suffix) for d, _ in PAIRS
+                             if isinstance(entry.get(d + suffix), (int, float))}
     figures["read_bandwidth_gbs"] = data.get("read_bandwidth_gbs")
     return figures, isa, first
 
@@ -250,7 +254,8 @@ def table(medians):
         row = [name]
         for ours, theirs in PAIRS:
             # llama.cpp runs with its own f16 KV cache in every row
-            a, b = medians["vlmgen"][ours].get(name), medians["llama.cpp"][theirs].get(name.replace(KV16, ""))
+            peer_name = name.replace(KV16, "").replace(KV8, "")
+            a, b = medians["vlmgen"][ours].get(name), medians["llama.cpp"][theirs].get(peer_name)
             r = ratio(name, a, b)
             row += [fmt_value(name, a), fmt_value(name, b), "—" if r is None else f"{r:.2f}x"]
         lines.append("| " + " | ".join(row) + " |")
@@ -440,7 +445,9 @@ def side_by_side(args, build, bench, quantize, llama_dir, scratch):
           "vlmgen's weights include the vision tower (the checkpoint's), llama.cpp's GGUF is the LM only and "
           "memory-mapped; KV cache: vlmgen f32, llama.cpp f16")
     print(f"- rows ending '{KV16}': vlmgen's bf16 and fp8 weights over a bfloat16 KV cache (--kv-dtype bf16), "
-          "against llama.cpp's same runs (f16 KV cache by default); every other vlmgen row has an f32 KV cache")
+          f"against llama.cpp's same runs (f16 KV cache by default); rows ending '{KV8}' the same over an FP8 KV "
+          "cache (--kv-dtype fp8: E4M3 bytes and a float32 scale per key or value row); every other vlmgen row "
+          "has an f32 KV cache")
     for note in notes:
         print(f"- note: {note}")
 

@@ -6,8 +6,8 @@
 //   it a decode step reaches (weights + KV bytes read per token). Weights dtypes: f32, bf16 (the
 //   same weights rounded) and fp8 (the same weights through vlmgen's quantizer, 128 x 128 blocks,
 //   decoder linears and the output head kept as bytes; embedding bf16), each loaded from a
-//   checkpoint as a user loads it; bf16 and fp8 again over a bfloat16 KV cache (kv_cache_dtype),
-//   for the decode times over a context.
+//   checkpoint as a user loads it; bf16 and fp8 again over a bfloat16 and over an FP8 KV cache
+//   (kv_cache_dtype), for the decode times over a context.
 // vlmgen-bench --memory DTYPE --checkpoint DIR: peak resident memory of one model loaded from DIR
 //   (f32, bf16 or fp8) after a 512-token prompt and 9 decode steps, against its weights + KV.
 
@@ -107,7 +107,8 @@ double prefill_tokens_per_s(QwenVl& model, int64_t s) {
 
 /// Every dtype loaded from a checkpoint of the same weights, as a user loads a model (the loader
 /// puts the decode weights on huge pages); FP8 through the quantizer (blocks of 128 x 128, the
-/// output head too), computed from the bytes; bf16 and fp8 again over a bfloat16 KV cache.
+/// output head too), computed from the bytes; bf16 and fp8 again over a bfloat16 ("_kv16") and
+/// an FP8 ("_kv8") KV cache.
 void load_models(std::map<std::string, std::unique_ptr<QwenVl>>& models, std::map<std::string, double>& weight_mb) {
   const std::filesystem::path scratch =
       std::filesystem::temp_directory_path() / fmt::format("vlmgen-bench-{}", static_cast<long>(::getpid()));
@@ -120,27 +121,38 @@ void load_models(std::map<std::string, std::unique_ptr<QwenVl>>& models, std::ma
     models[dtype] = QwenVl::from_checkpoint(from, ParallelContext::single(), load_options_for_dtype(dtype));
     weight_mb[dtype] = static_cast<double>(model_bytes(*models[dtype])) / 1e6;
     if (std::string(dtype) == "f32") continue;
-    LoadOptions kv16 = load_options_for_dtype(dtype);  // the same weights over a bfloat16 KV cache
-    kv16.kv_cache_dtype = at::kBFloat16;
-    models[std::string(dtype) + "_kv16"] = QwenVl::from_checkpoint(from, ParallelContext::single(), kv16);
-    weight_mb[std::string(dtype) + "_kv16"] = weight_mb[dtype];
+    for (const auto& [suffix, kv_dtype] : {std::pair{"_kv16", at::kBFloat16}, std::pair{"_kv8", at::kByte}}) {
+      LoadOptions options = load_options_for_dtype(dtype);  // the same weights over a smaller KV cache
+      options.kv_cache_dtype = kv_dtype;
+      models[dtype + std::string(suffix)] = QwenVl::from_checkpoint(from, ParallelContext::single(), options);
+      weight_mb[dtype + std::string(suffix)] = weight_mb[dtype];
+    }
   }
   std::error_code ec;
   std::filesystem::remove_all(scratch, ec);
 }
 
-/// The decode times of the bfloat16-cache models, printed against f32's and added to `out`.
-void report_kv16(std::map<std::string, std::map<std::string, std::vector<double>>>& runs, nlohmann::json& out) {
-  fmt::print("\n{:<34}{:>10}{:>10}{:>10}{:>10}\n", "with a bfloat16 KV cache (medians)", "bf16", "speedup", "fp8",
-             "speedup");
+/// The decode times of the bfloat16- and FP8-cache models, printed against f32's (and FP8 weights
+/// over an FP8 cache against bf16 weights over a bfloat16 one) and added to `out`.
+void report_small_kv(std::map<std::string, std::map<std::string, std::vector<double>>>& runs, nlohmann::json& out) {
+  for (const auto& [suffix, title] : {std::pair{"_kv16", "with a bfloat16 KV cache (medians)"},
+                                      std::pair{"_kv8", "with an FP8 KV cache (medians)"}}) {
+    const std::string bf16 = std::string("bf16") + suffix, fp8 = std::string("fp8") + suffix;
+    fmt::print("\n{:<34}{:>10}{:>10}{:>10}{:>10}\n", title, "bf16", "speedup", "fp8", "speedup");
+    for (const int64_t ctx : {128, 512, 2048}) {
+      const std::string name = fmt::format("decode ms/token, context {}", ctx);
+      const double f = median(runs[name]["f32"]), h = median(runs[name][bf16]), e = median(runs[name][fp8]);
+      fmt::print("{:<34}{:>10.2f}{:>9.2f}x{:>10.2f}{:>9.2f}x\n", name, h, f / h, e, f / e);
+      for (const std::string& dtype : {bf16, fp8}) {
+        out[name][dtype] = median(runs[name][dtype]);
+        out[name]["rounds_" + dtype] = runs[name][dtype];
+      }
+    }
+  }
   for (const int64_t ctx : {128, 512, 2048}) {
     const std::string name = fmt::format("decode ms/token, context {}", ctx);
-    const double f = median(runs[name]["f32"]), h = median(runs[name]["bf16_kv16"]), e = median(runs[name]["fp8_kv16"]);
-    fmt::print("{:<34}{:>10.2f}{:>9.2f}x{:>10.2f}{:>9.2f}x\n", name, h, f / h, e, f / e);
-    for (const char* dtype : {"bf16_kv16", "fp8_kv16"}) {
-      out[name][dtype] = median(runs[name][dtype]);
-      out[name][std::string("rounds_") + dtype] = runs[name][dtype];
-    }
+    fmt::print("context {}: fp8 weights over an FP8 cache {:.2f}x the speed of bf16 weights over a bfloat16 one\n", ctx,
+               median(runs[name]["bf16_kv16"]) / median(runs[name]["fp8_kv8"]));
   }
 }
 
@@ -194,10 +206,8 @@ int run_speed_report(int rounds, const std::string& json_path) {
   for (int round = 0; round < rounds; ++round) {
     for (auto& [name, fn] : figures) {
       for (auto& [dtype, m] : models) {
-        // The bfloat16-cache models: the decode times over a context only.
-        if (dtype.size() > 5 && dtype.compare(dtype.size() - 5, 5, "_kv16") == 0 &&
-            name.find("context") == std::string::npos)
-          continue;
+        // The bfloat16- and FP8-cache models: the decode times over a context only.
+        if (dtype.find("_kv") != std::string::npos && name.find("context") == std::string::npos) continue;
         runs[name][dtype].push_back(fn(*m));
       }
     }
@@ -218,7 +228,7 @@ int run_speed_report(int rounds, const std::string& json_path) {
                  {"rounds_bf16", runs[name]["bf16"]},
                  {"rounds_fp8", runs[name]["fp8"]}};
   }
-  report_kv16(runs, out);
+  report_small_kv(runs, out);
   auto ratio = [&](const std::string& a, const std::string& b, const char* dtype) {
     return median(runs[a][dtype]) / median(runs[b][dtype]);
   };
@@ -244,8 +254,8 @@ int run_speed_report(int rounds, const std::string& json_path) {
   double all_weights = 0;
   for (const auto& [dtype, mb] : weight_mb) all_weights += mb;
   fmt::print(
-      "memory: weights of the {} models {:.0f} MB (f32 {:.0f} MB, bf16 {:.0f} MB, fp8 {:.0f} MB, the _kv16 ones "
-      "again); RSS {:.0f} MB before the models, {:.0f} MB after (peak {:.0f} MB): {:.2f}x the weights\n",
+      "memory: weights of the {} models {:.0f} MB (f32 {:.0f} MB, bf16 {:.0f} MB, fp8 {:.0f} MB, the _kv16 and "
+      "_kv8 ones again); RSS {:.0f} MB before the models, {:.0f} MB after (peak {:.0f} MB): {:.2f}x the weights\n",
       weight_mb.size(), all_weights, weight_mb["f32"], weight_mb["bf16"], weight_mb["fp8"], rss_before, rss_after,
       hwm_after, (rss_after - rss_before) / all_weights);
   out["read_bandwidth_gbs"] = bandwidth;

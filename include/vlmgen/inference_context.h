@@ -12,6 +12,7 @@
 #include "vlmgen/detail/checked_math.h"
 #include "vlmgen/detail/tensor_utils.h"
 #include "vlmgen/error.h"
+#include "vlmgen/fp8_kv_rows.h"
 
 namespace vlmgen {
 
@@ -23,23 +24,28 @@ struct KvCacheSpec {
   int64_t head_dim = 0;
   at::ScalarType dtype = at::kFloat;
 
+  /// Elements of one stored key or value row: head_dim, and for an FP8 cache (at::kByte) the
+  /// row's scale after its bytes (encode_fp8_kv_row).
+  int64_t row_width() const { return dtype == at::kByte ? head_dim + kFp8KvScaleBytes : head_dim; }
   /// Bytes of K and V stored per token of one row across all layers.
   int64_t bytes_per_token() const {
-    return 2 * num_layers * num_kv_heads * head_dim * static_cast<int64_t>(c10::elementSize(dtype));
+    return 2 * num_layers * num_kv_heads * row_width() * static_cast<int64_t>(c10::elementSize(dtype));
   }
 };
 
 /// The dtypes the shipped models' KV caches may store (CausalVlm::set_kv_cache_dtype): float32
-/// (exact) or bfloat16 (half the bytes; each key and value rounded to nearest even when written,
-/// read back exactly, attention still float32). A context itself holds any dtype its model uses.
-/// bfloat16 on the CPU only: the CPU decode kernel reads the bits as it goes, where elsewhere every
-/// step would widen the whole cache.
+/// (exact), bfloat16 (half the bytes; each key and value rounded to nearest even when written,
+/// read back exactly, attention still float32) or at::kByte, FP8 (E4M3 bytes and a float32 scale
+/// per key or value row, encode_fp8_kv_row: about a quarter of float32's bytes; each element
+/// rounded to 3 mantissa bits at its row's scale, attention still float32). A context itself holds
+/// any dtype its model uses. The 16- and 8-bit caches on the CPU only: the CPU decode kernel reads
+/// them as it goes, where elsewhere every step would widen the whole cache.
 inline void check_kv_cache_dtype(at::ScalarType dtype, at::Device device) {
-  VLMGEN_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "a KV cache stores float32 or bfloat16, not {}",
-               c10::toString(dtype));
+  VLMGEN_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kByte,
+               "a KV cache stores float32, bfloat16 or FP8 (Byte), not {}", c10::toString(dtype));
   VLMGEN_CHECK(dtype == at::kFloat || device.is_cpu(),
-               "a bfloat16 KV cache is for models on the CPU, but this one is on {}; keep the float32 cache there",
-               device.str());
+               "a {} KV cache is for models on the CPU, but this one is on {}; keep the float32 cache there",
+               dtype == at::kByte ? "FP8" : "bfloat16", device.str());
 }
 
 /// An image whose placeholders lie in a context's committed columns, with a fingerprint of its
@@ -72,7 +78,8 @@ class InferenceContext {
     auto opts = at::TensorOptions().dtype(spec.dtype).device(device);
     // One allocation for every layer's K and V (never read beyond length(), so it needs no
     // initialisation); each layer's keys and values are views of it.
-    const at::Tensor storage = at::empty({spec.num_layers, 2, batch, spec.num_kv_heads, capacity, spec.head_dim}, opts);
+    const at::Tensor storage =
+        at::empty({spec.num_layers, 2, batch, spec.num_kv_heads, capacity, spec.row_width()}, opts);
     for (int64_t l = 0; l < spec.num_layers; ++l) {
       keys_.push_back(storage.select(0, l).select(0, 0));
       values_.push_back(storage.select(0, l).select(0, 1));
@@ -85,9 +92,9 @@ class InferenceContext {
   /// failure becomes a vlmgen::Error naming the bytes, instead of the allocator's own error.
   static std::unique_ptr<InferenceContext> allocate(const KvCacheSpec& spec, int64_t batch, int64_t capacity,
                                                     at::Device device = at::kCPU) {
-    int64_t bytes =
-        detail::checked_mul(detail::checked_mul(spec.num_layers, 2, "KV cache bytes"),
-                            detail::checked_mul(spec.num_kv_heads, spec.head_dim, "KV cache bytes"), "KV cache bytes");
+    int64_t bytes = detail::checked_mul(detail::checked_mul(spec.num_layers, 2, "KV cache bytes"),
+                                        detail::checked_mul(spec.num_kv_heads, spec.row_width(), "KV cache bytes"),
+                                        "KV cache bytes");
     bytes = detail::checked_mul(
         detail::checked_mul(bytes, static_cast<int64_t>(c10::elementSize(spec.dtype)), "KV cache bytes"),
         detail::checked_mul(batch, capacity, "KV cache bytes"), "KV cache bytes");
@@ -133,7 +140,8 @@ class InferenceContext {
   /// Model side: writes the window's keys and values ([batch, kv_heads, S, head_dim]) for
   /// `layer` at columns [length, length + S) and returns the keys and values of columns
   /// [0, length + S), as views into the cache (in the cache's dtype: a bfloat16 cache stores the
-  /// window rounded, and its own queries see it so, as later steps will).
+  /// window rounded, and its own queries see it so, as later steps will; an FP8 cache returns its
+  /// rows [batch, kv_heads, length + S, row_width] of bytes, decode_fp8_kv reads them).
   std::pair<at::Tensor, at::Tensor> append_kv(int64_t layer, const at::Tensor& k, const at::Tensor& v) {
     VLMGEN_CHECK(layer >= 0 && layer < spec_.num_layers, "layer {} is out of range for a cache of {} layers", layer,
                  spec_.num_layers);
@@ -143,13 +151,18 @@ class InferenceContext {
     VLMGEN_CHECK(v.sizes() == k.sizes(), "values {} must match keys {}", detail::shape_str(v), detail::shape_str(k));
     const int64_t s = k.size(2);
     check_room(s);
-    keys_[layer].narrow(2, length_, s).copy_(k);
-    values_[layer].narrow(2, length_, s).copy_(v);
+    if (spec_.dtype == at::kByte) {  // FP8: each row encoded with its scale
+      keys_[layer].narrow(2, length_, s).copy_(encode_fp8_kv(k.to(at::kCPU)));
+      values_[layer].narrow(2, length_, s).copy_(encode_fp8_kv(v.to(at::kCPU)));
+    } else {
+      keys_[layer].narrow(2, length_, s).copy_(k);
+      values_[layer].narrow(2, length_, s).copy_(v);
+    }
     return {keys_[layer].narrow(2, 0, length_ + s), values_[layer].narrow(2, 0, length_ + s)};
   }
 
   /// Model side, for kernels that write the window in place instead of calling append_kv: the
-  /// whole K and V storage of `layer`, [batch, kv_heads, capacity, head_dim] views. Columns
+  /// whole K and V storage of `layer`, [batch, kv_heads, capacity, spec().row_width()] views. Columns
   /// [0, length) hold the committed keys and values; a forward call of S columns writes its own
   /// at [length, length + S) (check_room(S) first), as append_kv would.
   std::pair<at::Tensor, at::Tensor> layer_storage(int64_t layer) const {
@@ -158,7 +171,8 @@ class InferenceContext {
     return {keys_[layer], values_[layer]};
   }
 
-  /// Keys and values of the committed columns of `layer`, [batch, kv_heads, length, head_dim].
+  /// Keys and values of the committed columns of `layer`, [batch, kv_heads, length, row_width]
+  /// (head_dim but for an FP8 cache's rows of bytes).
   std::pair<at::Tensor, at::Tensor> kv(int64_t layer) const {
     VLMGEN_CHECK(layer >= 0 && layer < spec_.num_layers, "layer {} is out of range for a cache of {} layers", layer,
                  spec_.num_layers);
@@ -230,8 +244,8 @@ class InferenceContext {
   int64_t batch_;
   int64_t capacity_;
   int64_t length_ = 0;
-  std::vector<at::Tensor> keys_;    // per layer [batch, kv_heads, capacity, head_dim]
-  std::vector<at::Tensor> values_;  // per layer [batch, kv_heads, capacity, head_dim]
+  std::vector<at::Tensor> keys_;    // per layer [batch, kv_heads, capacity, row_width]
+  std::vector<at::Tensor> values_;  // per layer [batch, kv_heads, capacity, row_width]
   at::Tensor tokens_;               // [batch, capacity], int64, CPU
   at::Tensor mask_;                 // [batch, capacity], int64, CPU
   std::vector<CachedImage> images_;

@@ -106,10 +106,15 @@ void bind_traits(py::module_& m) {
   spec_field("num_layers", &KvCacheSpec::num_layers);
   spec_field("num_kv_heads", &KvCacheSpec::num_kv_heads);
   spec_field("head_dim", &KvCacheSpec::head_dim);
+  // An FP8 cache (at::kByte: E4M3 rows with their scales, vlmgen/fp8_kv_rows.h) is 'fp8' here.
+  auto spec_dtype_name = [](const KvCacheSpec& s) { return s.dtype == at::kByte ? "fp8" : dtype_name(s.dtype); };
+  auto set_spec_dtype = [](KvCacheSpec& s, py::handle v) {
+    s.dtype = std::string(py::str(v)) == "fp8" ? at::kByte : dtype_from_python(v);
+  };
   spec.def_property(
-      "dtype", [](const KvCacheSpec& s) { return dtype_name(s.dtype); },
-      [](KvCacheSpec& s, py::handle v) { s.dtype = dtype_from_python(v); }, "float32 (default), bfloat16, float16");
-  spec_fields->add("dtype", [](KvCacheSpec& s, py::handle v) { s.dtype = dtype_from_python(v); });
+      "dtype", spec_dtype_name, set_spec_dtype,
+      "float32 (default), bfloat16, float16, or fp8 (E4M3 bytes and a float32 scale per key or value row)");
+  spec_fields->add("dtype", set_spec_dtype);
   spec.def(py::init([spec_fields](const py::kwargs& kw) {
              KvCacheSpec s;
              spec_fields->apply(s, kw, "KvCacheSpec");
@@ -119,7 +124,7 @@ void bind_traits(py::module_& m) {
   spec.def("bytes_per_token", &KvCacheSpec::bytes_per_token);
   spec.def("__repr__", [](const KvCacheSpec& s) {
     return fmt::format("KvCacheSpec(num_layers={}, num_kv_heads={}, head_dim={}, dtype='{}')", s.num_layers,
-                       s.num_kv_heads, s.head_dim, dtype_name(s.dtype));
+                       s.num_kv_heads, s.head_dim, s.dtype == at::kByte ? "fp8" : dtype_name(s.dtype));
   });
 
   py::class_<ModelTraits> traits(m, "ModelTraits",
@@ -330,8 +335,9 @@ void bind_models(py::module_& m) {
       "'cpu' (default), 'cuda' or 'cuda:N' (there a 16-bit dtype runs the linears in that dtype). huge_pages: "
       "on the CPU under Linux, the weights each decode step reads go into memory advised for transparent huge "
       "pages (faster decode, at most 2 MiB more memory); False keeps each in its own allocation. kv_cache_dtype: "
-      "what the model's KV caches store, 'f32' (default, exact) or 'bf16' (half the cache's memory and of the "
-      "bytes a long-context decode step reads; keys and values rounded to bfloat16, attention still float32).");
+      "what the model's KV caches store, 'f32' (default, exact), 'bf16' (half the cache's memory and of the "
+      "bytes a long-context decode step reads; keys and values rounded to bfloat16) or 'fp8' (E4M3 bytes and a "
+      "scale per key or value row, about a quarter; rounded to 3 mantissa bits; CPU); attention stays float32.");
 }
 
 void bind_config(py::module_& m) {

@@ -98,7 +98,10 @@ void scaled_softmax(float* x, int64_t rows, int64_t n, float scale) {
 }
 
 /// A KV cache's keys and values as stored: float32, or bfloat16 bits (uint16_t) widened exactly as
-/// they are read, so the arithmetic after the load is the same for both.
+/// they are read, so the arithmetic after the load is the same for both; or FP8 rows (uint8_t,
+/// HeadGroupAttention::k8), read as 2^-8 times their E4M3 values (Vec::load_e4m3), the row's
+/// scale times 2^8 (row_factor) applied to what a row contributes: to a key's score after its dot
+/// product, to a value row's softmax weight.
 template <class Vec>
 typename Vec::V load_kv(const float* p) {
   return Vec::load(p);
@@ -107,6 +110,10 @@ template <class Vec>
 typename Vec::V load_kv(const uint16_t* p) {
   return Vec::load_bf16(p);
 }
+template <class Vec>
+typename Vec::V load_kv(const uint8_t* p) {
+  return Vec::load_e4m3(p);
+}
 inline float kv_value(float x) { return x; }
 inline float kv_value(uint16_t b) {
   const uint32_t bits = static_cast<uint32_t>(b) << 16;
@@ -114,7 +121,27 @@ inline float kv_value(uint16_t b) {
   __builtin_memcpy(&f, &bits, sizeof f);
   return f;
 }
-/// The cache's keys (or values) as stored: float32, or bfloat16 bits (HeadGroupAttention::k16).
+/// 2^-8 times the E4M3 byte's value (as Vec::load_e4m3): (8 + m) 2^(e - 10) for exponents e >= 1,
+/// m 2^-9 (subnormal) for e = 0, each times 2^-8.
+inline float kv_value(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const float magnitude = __builtin_ldexpf(static_cast<float>(e != 0 ? 8 + m : m), (e != 0 ? e : 1) - 18);
+  return (b & 0x80) != 0 ? -magnitude : magnitude;
+}
+/// What a cache row's elements as read are multiplied by: 1, or for an FP8 row its scale times 2^8
+/// (exact), the scale stored after the row's dim bytes.
+template <class T>
+float row_factor(const T* row, int64_t dim) {
+  if constexpr (sizeof(T) == 1) {
+    float scale;
+    __builtin_memcpy(&scale, row + dim, sizeof scale);
+    return scale * 256.0f;
+  } else {
+    return 1.0f;
+  }
+}
+/// The cache's keys (or values) as stored: float32, bfloat16 bits (HeadGroupAttention::k16) or FP8
+/// rows (k8).
 template <class T>
 const T* cache_rows(const HeadGroupAttention& a, bool values);
 template <>
@@ -125,6 +152,10 @@ template <>
 inline const uint16_t* cache_rows<uint16_t>(const HeadGroupAttention& a, bool values) {
   return values ? a.v16 : a.k16;
 }
+template <>
+inline const uint8_t* cache_rows<uint8_t>(const HeadGroupAttention& a, bool values) {
+  return values ? a.v8 : a.k8;
+}
 
 template <class Vec, class T>
 float dot(const float* a, const T* b, int64_t n) {
@@ -134,6 +165,7 @@ float dot(const float* a, const T* b, int64_t n) {
   for (; i + L <= n; i += L) acc = Vec::fma(Vec::load(a + i), load_kv<Vec>(b + i), acc);
   float s = Vec::sum(acc);
   for (; i < n; ++i) s = __builtin_fmaf(a[i], kv_value(b[i]), s);  // one rounding, whatever the compiler fuses
+  if constexpr (sizeof(T) == 1) s *= row_factor(b, n);
   return s;
 }
 
@@ -155,16 +187,23 @@ void score_block(const HeadGroupAttention& a, int64_t g, int64_t s, int64_t j, b
     for (int64_t kk = 0; kk < L; ++kk) acc[kk] = Vec::fma(qv, load_kv<Vec>(keys + kk * a.kv_row_stride + i), acc[kk]);
   }
   float* out = a.scores + g * a.keys + j;
-  Vec::store(out, Vec::fma(Vec::lane_sums(acc), Vec::set1(a.scale), Vec::zero()));
+  typename Vec::V sums = Vec::lane_sums(acc);
+  if constexpr (sizeof(T) == 1) {
+    float factors[L];
+    for (int64_t kk = 0; kk < L; ++kk) factors[kk] = row_factor(keys + kk * a.kv_row_stride, a.dim);
+    sums = Vec::fma(sums, Vec::load(factors), Vec::zero());
+  }
+  Vec::store(out, Vec::fma(sums, Vec::set1(a.scale), Vec::zero()));
   if (all_real) return;  // the usual case: no key byte to test
   for (int64_t kk = 0; kk < L; ++kk)
     if (a.key_real[j + kk] == 0) out[kk] = -INFINITY;
 }
 
-/// y += alpha * x over n floats (x as the cache stores it).
+/// y += alpha * x over n floats (x a row as the cache stores it).
 template <class Vec, class T>
 void axpy(float alpha, const T* x, float* y, int64_t n) {
   constexpr int64_t L = Vec::kLanes;
+  alpha *= row_factor(x, n);
   const typename Vec::V al = Vec::set1(alpha);
   int64_t i = 0;
   for (; i + L <= n; i += L) Vec::store(y + i, Vec::fma(al, load_kv<Vec>(x + i), Vec::load(y + i)));
@@ -184,12 +223,14 @@ void value_chunk(const HeadGroupAttention& a, const float* p, int64_t s, int64_t
     for (int c = 0; c < DN; ++c) acc[g][c] = Vec::zero();
   for (int64_t j = 0; j < limit; ++j) {
     if (a.key_real[j] == 0) continue;
-    const T* vj = cache_rows<T>(a, true) + j * a.kv_row_stride + d0;
+    const T* row = cache_rows<T>(a, true) + j * a.kv_row_stride;
+    const T* vj = row + d0;
+    const float factor = row_factor(row, a.dim);
     V vv[DN];
     for (int c = 0; c < DN; ++c) vv[c] = load_kv<Vec>(vj + c * L);
     for (int g = 0; g < GC; ++g) {
       if (g >= gn) break;
-      const V w = Vec::set1(p[(g0 + g) * a.keys + j]);
+      const V w = Vec::set1(sizeof(T) == 1 ? p[(g0 + g) * a.keys + j] * factor : p[(g0 + g) * a.keys + j]);
       for (int c = 0; c < DN; ++c) acc[g][c] = Vec::fma(w, vv[c], acc[g][c]);
     }
   }
@@ -213,8 +254,8 @@ void value_pass(const HeadGroupAttention& a, const float* p, int64_t s, int64_t 
     float* out = a.out + g * a.q_head_stride + s * a.dim;
     for (int64_t j = 0; j < limit; ++j) {
       if (a.key_real[j] == 0) continue;
-      const float w = p[g * a.keys + j];
       const T* vj = cache_rows<T>(a, true) + j * a.kv_row_stride;
+      const float w = p[g * a.keys + j] * row_factor(vj, a.dim);
       for (int64_t d = aligned; d < a.dim; ++d) out[d] = __builtin_fmaf(w, kv_value(vj[d]), out[d]);
     }
   }
@@ -294,7 +335,7 @@ template <class T>
 /// The fetches due at key j (a multiple of kFetchBlock) of a column that sees keys below limit.
 template <class T>
 [[gnu::always_inline]] inline void fetch_ahead(const HeadGroupAttention& a, int64_t j, int64_t limit) {
-  const int64_t row_bytes = a.dim * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = a.dim * static_cast<int64_t>(sizeof(T)) + (sizeof(T) == 1 ? kFp8RowScaleBytes : 0);
   fetch_rows(cache_rows<T>(a, false), a.kv_row_stride, row_bytes, j + kFetchAhead, limit);
   fetch_rows(cache_rows<T>(a, true), a.kv_row_stride, row_bytes, j, limit);
 }
@@ -338,9 +379,10 @@ void attention_of(const HeadGroupAttention& a) {
   }
 }
 
-/// attention_of over a float32 or a bfloat16 cache (HeadGroupAttention::k16 set).
+/// attention_of over a float32, a bfloat16 (HeadGroupAttention::k16 set) or an FP8 cache (k8).
 template <class Vec>
 void attention(const HeadGroupAttention& a) {
+  if (a.k8 != nullptr) return attention_of<Vec, uint8_t>(a);
   if (a.k16 != nullptr) return attention_of<Vec, uint16_t>(a);
   attention_of<Vec, float>(a);
 }

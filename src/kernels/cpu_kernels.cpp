@@ -355,22 +355,23 @@ at::Tensor decode_attention_on(Isa isa, const at::Tensor& q, const at::Tensor& k
   VLMGEN_CHECK(!needs_grad({&q, &k, &v}),
                "kernels::decode_attention keeps no autograd graph, but q, k or v requires grad (run under "
                "at::NoGradGuard / c10::InferenceMode)");
+  const bool bf16 = k.scalar_type() == at::kBFloat16, fp8 = k.scalar_type() == at::kByte;
+  const int64_t extra = fp8 ? raw::kFp8RowScaleBytes : 0;  // an FP8 row's scale
   VLMGEN_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
-                   q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
-               "kernels::decode_attention: q [B, heads, S, D] and k, v [B, kv_heads, K, D] with heads a multiple of "
+                   q.size(3) + extra == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+               "kernels::decode_attention: q [B, heads, S, D] and k, v [B, kv_heads, K, D{}] with heads a multiple of "
                "kv_heads, got q {}, k {}, v {}",
-               detail::shape_str(q), detail::shape_str(k), detail::shape_str(v));
+               fp8 ? " + 4 (FP8 rows)" : "", detail::shape_str(q), detail::shape_str(k), detail::shape_str(v));
   const int64_t b = q.size(0), heads = q.size(1), s = q.size(2), dim = q.size(3);
   const int64_t kv_heads = k.size(1), keys = k.size(2);
   VLMGEN_CHECK(key_real.dim() == 2 && key_real.size(0) == b && key_real.size(1) == keys && key_real.device().is_cpu(),
                "kernels::decode_attention: key_real must be [{}, {}] on the CPU, got {} on {}", b, keys,
                detail::shape_str(key_real), key_real.device().str());
-  const bool bf16 = k.scalar_type() == at::kBFloat16;
-  VLMGEN_CHECK(q.scalar_type() == at::kFloat && (k.scalar_type() == at::kFloat || bf16) &&
+  VLMGEN_CHECK(q.scalar_type() == at::kFloat && (k.scalar_type() == at::kFloat || bf16 || fp8) &&
                    v.scalar_type() == k.scalar_type() && q.device().is_cpu() && k.device().is_cpu() &&
                    v.device().is_cpu(),
-               "kernels::decode_attention: CPU tensors, q float32 and k, v both float32 or both bfloat16 expected, "
-               "got q {} on {}, k {} on {}, v {} on {}",
+               "kernels::decode_attention: CPU tensors, q float32 and k, v both float32, bfloat16 or uint8 (FP8) "
+               "expected, got q {} on {}, k {} on {}, v {} on {}",
                at::toString(q.scalar_type()), q.device().str(), at::toString(k.scalar_type()), k.device().str(),
                at::toString(v.scalar_type()), v.device().str());
   // K and V are read in place when each row of D floats is contiguous and rows are evenly spaced.
@@ -390,10 +391,11 @@ at::Tensor decode_attention_on(Isa isa, const at::Tensor& q, const at::Tensor& k
       const int64_t row = task / kv_heads, head = task % kv_heads;
       const int64_t q_offset = (row * heads + head * groups) * s * dim;
       const int64_t k_at = row * k2.stride(0) + head * k2.stride(1), v_at = row * vv.stride(0) + head * vv.stride(1);
+      const bool plain = !bf16 && !fp8;
       raw::HeadGroupAttention a{qq.data_ptr<float>() + q_offset,
                                 s * dim,
-                                bf16 ? nullptr : k2.data_ptr<float>() + k_at,
-                                bf16 ? nullptr : vv.data_ptr<float>() + v_at,
+                                plain ? k2.data_ptr<float>() + k_at : nullptr,
+                                plain ? vv.data_ptr<float>() + v_at : nullptr,
                                 k2.stride(2),
                                 real.data_ptr<uint8_t>() + row * keys,
                                 keys,
@@ -405,7 +407,9 @@ at::Tensor decode_attention_on(Isa isa, const at::Tensor& q, const at::Tensor& k
                                 out.data_ptr<float>() + q_offset,
                                 scratch.data(),
                                 bf16 ? static_cast<const uint16_t*>(k2.data_ptr()) + k_at : nullptr,
-                                bf16 ? static_cast<const uint16_t*>(vv.data_ptr()) + v_at : nullptr};
+                                bf16 ? static_cast<const uint16_t*>(vv.data_ptr()) + v_at : nullptr,
+                                fp8 ? k2.data_ptr<uint8_t>() + k_at : nullptr,
+                                fp8 ? vv.data_ptr<uint8_t>() + v_at : nullptr};
       run_attention(isa, a);
     }
   });

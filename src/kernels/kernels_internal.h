@@ -66,7 +66,8 @@ void silu_mul(Isa isa, const float* gate, const float* up, float* y, int64_t n);
 /// softmax(x * scale) of each of `rows` rows of n floats, in place (scale > 0), on the ATen threads.
 void scaled_softmax(Isa isa, float* x, int64_t rows, int64_t n, float scale);
 
-/// One query column per batch row over a KV cache laid out [row, kv_head, key, dim]: for each of
+/// One query column per batch row over a KV cache laid out [row, kv_head, key, width] (width dim,
+/// or dim + 4 bytes for FP8): for each of
 /// `rows` rows and kv_heads KV heads, the `heads / kv_heads` query heads of the group attend over
 /// keys [0, keys) of that row (key_real[row * keys + j] nonzero: a real key; query sees keys
 /// j <= first_query_key). q and out are [rows, heads, dim]. On the ATen threads.
@@ -83,6 +84,9 @@ struct CacheAttention {
   float scale;
   const uint16_t* k16;  // a bfloat16 cache instead of k and v (null for float32), laid out alike
   const uint16_t* v16;
+  /// An FP8 cache instead (rows of dim + 4 bytes, HeadGroupAttention::k8): strides in bytes.
+  const uint8_t* k8 = nullptr;
+  const uint8_t* v8 = nullptr;
 };
 void attend_cache(Isa isa, const CacheAttention& a);
 

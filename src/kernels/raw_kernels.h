@@ -69,7 +69,14 @@ struct HeadGroupAttention {
   /// A bfloat16 cache: keys and values as their bits, laid out as k and v (which are then unused).
   const uint16_t* k16;
   const uint16_t* v16;
+  /// An FP8 cache: rows of dim E4M3 bytes and their float32 scale (encode_fp8_kv_row), key j at
+  /// k8 + j * kv_row_stride (bytes); k, v, k16 and v16 are then unused.
+  const uint8_t* k8 = nullptr;
+  const uint8_t* v8 = nullptr;
 };
+
+/// Bytes after an FP8 cache row's dim bytes: its float32 scale.
+constexpr int64_t kFp8RowScaleBytes = 4;
 
 /// Whether the instruction-set files were compiled with their instructions (else they forward to
 /// the portable code).

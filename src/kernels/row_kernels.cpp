@@ -187,11 +187,12 @@ void attend_cache(Isa isa, const CacheAttention& a) {
       const int64_t row = task / a.kv_heads, head = task % a.kv_heads;
       const int64_t q_offset = (row * a.heads + head * groups) * a.dim;
       const int64_t at = row * a.row_stride + head * a.head_stride;
+      const bool plain = a.k16 == nullptr && a.k8 == nullptr;
       const raw::HeadGroupAttention h{a.q + q_offset,
                                       a.dim,
-                                      a.k16 != nullptr ? nullptr : a.k + at,
-                                      a.v16 != nullptr ? nullptr : a.v + at,
-                                      a.dim,
+                                      plain ? a.k + at : nullptr,
+                                      plain ? a.v + at : nullptr,
+                                      a.k8 != nullptr ? a.dim + raw::kFp8RowScaleBytes : a.dim,
                                       a.key_real + row * a.keys,
                                       a.keys,
                                       groups,
@@ -202,7 +203,9 @@ void attend_cache(Isa isa, const CacheAttention& a) {
                                       a.out + q_offset,
                                       scratch.data(),
                                       a.k16 != nullptr ? a.k16 + at : nullptr,
-                                      a.v16 != nullptr ? a.v16 + at : nullptr};
+                                      a.v16 != nullptr ? a.v16 + at : nullptr,
+                                      a.k8 != nullptr ? a.k8 + at : nullptr,
+                                      a.v8 != nullptr ? a.v8 + at : nullptr};
       run_attention(isa, h);
     }
   });

@@ -56,12 +56,14 @@ struct Buffers {
 };
 
 /// The key or value row `src` of d floats into a cache row of the cache's dtype: float32 as is,
-/// bfloat16 rounded to nearest even as ATen's conversion (what append_kv stores) does.
+/// bfloat16 rounded to nearest even as ATen's conversion (what append_kv stores) does, FP8 as
+/// append_kv encodes it.
 void store_cache_row(const float* src, int64_t d, at::ScalarType dtype, void* dst) {
   if (dtype == at::kFloat) {
     std::memcpy(dst, src, static_cast<size_t>(d) * sizeof(float));
     return;
   }
+  if (dtype == at::kByte) return encode_fp8_kv_row(src, d, static_cast<uint8_t*>(dst));
   auto* out = static_cast<uint16_t*>(dst);
   for (int64_t i = 0; i < d; ++i) out[i] = c10::BFloat16(src[i]).x;
 }
@@ -86,11 +88,11 @@ bool fused_decode_fits(const qwen_vl::LanguageModel& lm, const QwenVlConfig& c, 
   for (const FusedDecodeRows& r : requests) {
     const InferenceContext* ctx = r.context;
     if (ctx == nullptr || r.first_row != next_row || r.rows != ctx->batch_size() ||
-        (ctx->spec().dtype != at::kFloat && ctx->spec().dtype != at::kBFloat16) || !ctx->device().is_cpu() ||
-        ctx->spec().num_layers != static_cast<int64_t>(lm.layers.size()) || ctx->spec().num_kv_heads != kv ||
-        ctx->spec().head_dim != d || ctx->length() + 1 > ctx->capacity() || r.key_real.dim() != 2 ||
-        r.key_real.size(0) != r.rows || r.key_real.size(1) != ctx->length() + 1 || r.key_real.element_size() != 1 ||
-        !r.key_real.device().is_cpu())
+        (ctx->spec().dtype != at::kFloat && ctx->spec().dtype != at::kBFloat16 && ctx->spec().dtype != at::kByte) ||
+        !ctx->device().is_cpu() || ctx->spec().num_layers != static_cast<int64_t>(lm.layers.size()) ||
+        ctx->spec().num_kv_heads != kv || ctx->spec().head_dim != d || ctx->length() + 1 > ctx->capacity() ||
+        r.key_real.dim() != 2 || r.key_real.size(0) != r.rows || r.key_real.size(1) != ctx->length() + 1 ||
+        r.key_real.element_size() != 1 || !r.key_real.device().is_cpu())
       return false;
     next_row += r.rows;
   }
@@ -98,7 +100,8 @@ bool fused_decode_fits(const qwen_vl::LanguageModel& lm, const QwenVlConfig& c, 
   for (const FusedDecodeRows& r : requests) {  // the layout fused_decode_layers writes into
     for (int64_t layer = 0; layer < r.context->num_layers(); ++layer) {
       const auto [keys, values] = r.context->layer_storage(layer);
-      if (keys.stride(3) != 1 || keys.stride(2) != d || values.strides() != keys.strides()) return false;
+      if (keys.stride(3) != 1 || keys.stride(2) != r.context->spec().row_width() || values.strides() != keys.strides())
+        return false;
     }
   }
   for (const qwen_vl::DecoderLayer& w : lm.layers) {
@@ -153,14 +156,15 @@ at::Tensor fused_decode_layers(const qwen_vl::LanguageModel& lm, const QwenVlCon
       auto [keys, values] = r.context->layer_storage(static_cast<int64_t>(layer));
       const int64_t column = r.context->length();
       const at::ScalarType dtype = keys.scalar_type();
-      const bool bf16 = dtype == at::kBFloat16;
+      const bool bf16 = dtype == at::kBFloat16, fp8 = dtype == at::kByte, plain = !bf16 && !fp8;
+      const int64_t width = r.context->spec().row_width();
       auto* kp = static_cast<char*>(keys.data_ptr());
       auto* vp = static_cast<char*>(values.data_ptr());
       const auto element = static_cast<int64_t>(keys.element_size());
       for (int64_t row = 0; row < r.rows; ++row) {
         const int64_t at_row = r.first_row + row;
         for (int64_t head = 0; head < kv; ++head) {
-          const int64_t slot = (row * keys.stride(0) + head * keys.stride(1) + column * d) * element;
+          const int64_t slot = (row * keys.stride(0) + head * keys.stride(1) + column * width) * element;
           ki::rotary_row(b.k.data() + (at_row * kv + head) * d, cp + at_row * d, sp + at_row * d, d, b.kr.data());
           store_cache_row(b.kr.data(), d, dtype, kp + slot);
           store_cache_row(b.v.data() + (at_row * kv + head) * d, d, dtype, vp + slot);
@@ -172,8 +176,8 @@ at::Tensor fused_decode_layers(const qwen_vl::LanguageModel& lm, const QwenVlCon
                                  heads,
                                  kv,
                                  d,
-                                 bf16 ? nullptr : reinterpret_cast<const float*>(kp),
-                                 bf16 ? nullptr : reinterpret_cast<const float*>(vp),
+                                 plain ? reinterpret_cast<const float*>(kp) : nullptr,
+                                 plain ? reinterpret_cast<const float*>(vp) : nullptr,
                                  keys.stride(0),
                                  keys.stride(1),
                                  static_cast<const uint8_t*>(key_real[i].data_ptr()),
@@ -181,7 +185,9 @@ at::Tensor fused_decode_layers(const qwen_vl::LanguageModel& lm, const QwenVlCon
                                  column,
                                  scale,
                                  bf16 ? reinterpret_cast<const uint16_t*>(kp) : nullptr,
-                                 bf16 ? reinterpret_cast<const uint16_t*>(vp) : nullptr};
+                                 bf16 ? reinterpret_cast<const uint16_t*>(vp) : nullptr,
+                                 fp8 ? reinterpret_cast<const uint8_t*>(kp) : nullptr,
+                                 fp8 ? reinterpret_cast<const uint8_t*>(vp) : nullptr};
       ki::attend_cache(isa, a);
     }
     run_linear(isa, w.o_proj, b.attended.data(), t, b.out.data());

@@ -70,6 +70,10 @@ at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, Visibility vi
   if (q.device().is_cpu() && s == 1 && !vis.groups.defined() && kernels::enabled() && !at::GradMode::is_enabled()) {
     return kernels::decode_attention(q, k, v, vis.key_real, vis.window_start - vis.key_begin, vis.scale);
   }
+  if (k.scalar_type() == at::kByte) {  // an FP8 cache's rows, decoded
+    k = decode_fp8_kv(k);
+    v = decode_fp8_kv(v);
+  }
   if (k.scalar_type() != q.scalar_type()) {  // a bfloat16 cache: the products in the queries' dtype
     k = k.to(q.scalar_type());
     v = v.to(q.scalar_type());

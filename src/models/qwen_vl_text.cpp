@@ -83,6 +83,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       !recorded) {
     return kernels::decode_attention(q, k, v, w.key_real, w.window_start - w.key_begin, w.scale);
   }
+  if (k.scalar_type() == at::kByte)  // an FP8 cache's rows, decoded
+    return attend(q, decode_fp8_kv(k).to(q.device(), q.scalar_type()), decode_fp8_kv(v).to(q.device(), q.scalar_type()),
+                  w);
   if (k.scalar_type() != q.scalar_type())  // a bfloat16 cache: the products in the queries' dtype
     return attend(q, k.to(q.scalar_type()), v.to(q.scalar_type()), w);
   // A finite fill (not -inf): a padding query row with every key blocked softmaxes to a uniform

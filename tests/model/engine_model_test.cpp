@@ -223,5 +223,17 @@ TEST(EngineOnQwenVl, WithABfloat16KvCacheTheRequestsGetTheGeneratorsTokens) {
   EXPECT_EQ(Engine(model, EngineOptions()).metrics().kv_blocks_total, 2 * f32_blocks);  // the same budget
 }
 
+// An FP8 KV cache: the engine allocates it (68 bytes a row of 64 against 256) and its fused steps
+// read it as the Generator's calls do.
+TEST(EngineOnQwenVl, WithAnFp8KvCacheTheRequestsGetTheGeneratorsTokens) {
+  expect_engine_tokens_equal_the_generators(at::kByte);
+  QwenVl model(test_config(), 17);
+  const int64_t f32_blocks = Engine(model, EngineOptions()).metrics().kv_blocks_total;
+  model.set_kv_cache_dtype(at::kByte);
+  const int64_t d = model.traits().kv_cache.head_dim;
+  EXPECT_NEAR(Engine(model, EngineOptions()).metrics().kv_blocks_total,
+              static_cast<double>(f32_blocks) * 4 * d / (d + 4), 1.0);  // the same budget
+}
+
 }  // namespace
 }  // namespace vlmgen

@@ -267,9 +267,56 @@ TEST_P(FusedDecodeTest, ABfloat16KvCacheIsWrittenAndReadAsTheLayersOpByOpDo) {
     model->set_kv_cache_dtype(at::kHalf);
     ADD_FAILURE() << "a float16 KV cache was accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("float32 or bfloat16, not Half"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("float32, bfloat16 or FP8 (Byte), not Half"), std::string::npos) << e.what();
   }
   EXPECT_EQ(model->traits().kv_cache.dtype, at::kBFloat16);  // unchanged by the refusal
+}
+
+// An FP8 KV cache (LoadOptions::kv_cache_dtype = at::kByte): the fused step encodes and reads its
+// rows as the layers op by op do (append_kv's encoding), bit for bit, with float32 and FP8 weights
+// and in the engine's several-request step; a row takes head_dim + 4 bytes; layer 0's rows are
+// the float32 cache's keys and values encoded (encode_fp8_kv), and read back within E4M3's half
+// step of them; the logits stay near float32's.
+TEST_P(FusedDecodeTest, AnFp8KvCacheIsWrittenAndReadAsTheLayersOpByOpDo) {
+  LoadOptions options;
+  options.kv_cache_dtype = at::kByte;
+  std::unique_ptr<QwenVl> model = load(scratch_.dir("f32"), options);
+  ASSERT_NE(model, nullptr);
+  ASSERT_EQ(model->traits().kv_cache.dtype, at::kByte);
+  const int64_t d = config_.head_dim;
+  EXPECT_EQ(InferenceContext(model->traits().kv_cache, 1, 8).bytes() * 4 * d,
+            InferenceContext(model_.traits().kv_cache, 1, 8).bytes() * (d + 4));
+  const auto fused = generate(*model, true);
+  ASSERT_EQ(fused.keys[0].scalar_type(), at::kByte);
+  ASSERT_EQ(fused.keys[0].size(3), d + 4);
+  expect_identical(fused, generate(*model, false), "float32 weights, FP8 cache");
+  int64_t fused_calls = 0, op_calls = 0;
+  const std::vector<at::Tensor> batched = batched_decode(*model, true, 3, fused_calls);
+  const std::vector<at::Tensor> batched_op = batched_decode(*model, false, 3, op_calls);
+  ASSERT_EQ(batched.size(), batched_op.size());
+  for (size_t i = 0; i < batched.size(); ++i) EXPECT_TRUE(at::equal(batched[i], batched_op[i])) << "engine step " << i;
+  EXPECT_LT(fused_calls + 3 * 40 * config_.num_hidden_layers, op_calls);
+
+  const auto exact = generate(model_, true);
+  const int64_t prompt = 10;  // the image row's prompt: the columns every run computes alike
+  const at::Tensor exact_keys = exact.keys[0].narrow(2, 0, prompt);
+  EXPECT_TRUE(at::equal(fused.keys[0].narrow(2, 0, prompt), encode_fp8_kv(exact_keys)));
+  EXPECT_TRUE(at::equal(fused.values[0].narrow(2, 0, prompt), encode_fp8_kv(exact.values[0].narrow(2, 0, prompt))));
+  const at::Tensor read_back = decode_fp8_kv(fused.keys[0].narrow(2, 0, prompt));
+  const at::Tensor row_amax = exact_keys.abs().amax(-1, /*keepdim=*/true);
+  EXPECT_TRUE((read_back - exact_keys).abs().le(row_amax * 0x1p-4 + 1e-30).all().item<bool>());
+  const double drift = max_abs_diff(fused.logits[0], exact.logits[0]) / exact.logits[0].abs().max().item<double>();
+  report("FP8 cache: prefill logits' largest difference from float32's, relative", drift);
+  EXPECT_GT(drift, 0.0);  // the cache was rounded
+  EXPECT_LT(drift, 0.1);
+
+  QuantizeOptions quantize;
+  quantize.block = {16, 16};
+  quantize_checkpoint(scratch_.dir("f32"), scratch_.dir("fp8"), quantize);
+  options.keep_fp8 = true;
+  std::unique_ptr<QwenVl> bytes = load(scratch_.dir("fp8"), options);
+  ASSERT_NE(bytes, nullptr);
+  expect_identical(generate(*bytes, true), generate(*bytes, false), "fp8 weights, FP8 cache");
 }
 
 /// ATen calls made during one decode step of `model` over a prefilled context.

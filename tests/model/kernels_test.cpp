@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "vlmgen/error.h"
+#include "vlmgen/fp8_kv_rows.h"
 #include "vlmgen/io/fp8.h"
 #include "vlmgen/kernels/cpu.h"
 
@@ -329,6 +330,46 @@ TEST(CpuKernels, DecodeAttentionOverABfloat16CacheIsTheFloat32PathOnTheSameValue
   const at::Tensor q = at::randn({1, 2, 1, 16}), k = at::randn({1, 1, 5, 16});
   EXPECT_THROW(kernels::decode_attention(q, k.to(at::kBFloat16), k, at::ones({1, 5}), 4, 1.0), Error);
   EXPECT_THROW(kernels::decode_attention(q, k.to(at::kHalf), k.to(at::kHalf), at::ones({1, 5}), 4, 1.0), Error);
+}
+
+// An FP8 cache (rows of E4M3 bytes and their scale, encode_fp8_kv_row): every path attends as
+// float64 does over the rows' decoded values (decode_fp8_kv), within float32 accumulation: head
+// dims with and without a scalar tail and the register-blocked value pass, rows of very different
+// scales (a factor applied to the wrong key or value row shows), padding, causal columns, a cache
+// view and a row with every key blocked.
+TEST(CpuKernels, DecodeAttentionOverAnFp8CacheMatchesFloat64OnItsDecodedValues) {
+  at::manual_seed(12);
+  for (int64_t d : {24, 40, 64, 128}) {
+    const int64_t keys = 70, capacity = 80, s = 2;
+    // Key rows from 1/4 to 4 (scores stay within the exponential's useful range), value rows from
+    // 4^-3 to 4^3.
+    const at::Tensor k_cache =
+        encode_fp8_kv(at::randn({2, 2, capacity, d}) * at::pow(2.0, at::randint(-2, 3, {2, 2, capacity, 1})));
+    const at::Tensor v_cache =
+        encode_fp8_kv(at::randn({2, 2, capacity, d}) * at::pow(4.0, at::randint(-3, 4, {2, 2, capacity, 1})));
+    const at::Tensor k = k_cache.narrow(2, 0, keys), v = v_cache.narrow(2, 0, keys);
+    const at::Tensor q = at::randn({2, 6, s, d});
+    at::Tensor real = at::ones({2, keys}, at::kLong);
+    real[1].narrow(0, 0, 20).fill_(0);
+    at::Tensor none = at::zeros({2, keys}, at::kLong);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    for (const at::Tensor& r : {real, none}) {
+      const at::Tensor want = reference_attention(q, decode_fp8_kv(k), decode_fp8_kv(v), r, keys - s, scale);
+      for (Isa isa : kernels::supported_isas()) {
+        SCOPED_TRACE(testing::Message() << kernels::isa_name(isa) << " d " << d);
+        const at::Tensor got = kernels::decode_attention_on(isa, q, k, v, r, keys - s, scale);
+        const double err = (got.to(at::kDouble) - want).abs().max().item<double>();
+        EXPECT_LT(err / want.abs().max().item<double>(), 1e-5) << "max |diff| " << err;
+      }
+    }
+  }
+  // Rows must hold the head dim and the scale: q's head dim plus 4 bytes.
+  const at::Tensor q = at::randn({1, 2, 1, 16});
+  EXPECT_THROW(kernels::decode_attention(q, encode_fp8_kv(at::randn({1, 1, 5, 12})),
+                                         encode_fp8_kv(at::randn({1, 1, 5, 12})), at::ones({1, 5}), 4, 1.0),
+               Error);
+  EXPECT_NO_THROW(kernels::decode_attention(q, encode_fp8_kv(at::randn({1, 1, 5, 16})),
+                                            encode_fp8_kv(at::randn({1, 1, 5, 16})), at::ones({1, 5}), 4, 1.0));
 }
 
 TEST(CpuKernels, DecodeAttentionRefusesMismatchedShapes) {

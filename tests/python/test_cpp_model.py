@@ -104,5 +104,11 @@ def test_load_model_with_a_bfloat16_kv_cache(checkpoint):
     assert bf16.tokens[0][0] == f32.tokens[0][0]
     assert bf16.sequences[0].logprobs[0] == pytest.approx(f32.sequences[0].logprobs[0], abs=0.05)
     assert bf16.sequences[0].logprobs[0] != f32.sequences[0].logprobs[0]
-    with pytest.raises(vlmgen.Error, match="KV cache dtype must be f32 or bf16, got 'f16'"):
+    # An FP8 cache: E4M3 bytes and a float32 scale per key or value row, through the same generator.
+    quarter = vlmgen.load_model(checkpoint, kv_cache_dtype="fp8")
+    assert quarter.traits.kv_cache.dtype == "fp8"
+    fp8 = vlmgen.Generator(quarter).generate([prompt], config, vision=vision)
+    assert 1 <= len(fp8.tokens[0]) <= NEW_TOKENS
+    assert fp8.sequences[0].logprobs[0] != f32.sequences[0].logprobs[0]
+    with pytest.raises(vlmgen.Error, match="KV cache dtype must be f32, bf16 or fp8, got 'f16'"):
         vlmgen.load_model(checkpoint, kv_cache_dtype="f16")

@@ -75,8 +75,9 @@ at::Tensor widen_on(Isa isa, const at::Tensor& weight, const Fp8Scales& fp8 = {}
 
 /// Attention of the window's query columns over keys, for a few query columns (decode):
 ///   q [B, heads, S, D], k and v [B, kv_heads, K, D] (float32, or both bfloat16: a bfloat16 KV
-///   cache, widened as read; last dim contiguous; a narrowed KV cache is read in place), key_real [B, K] (bool or
-///   integer: the key is not padding).
+///   cache, widened as read; or both uint8 [B, kv_heads, K, D + 4]: an FP8 cache's rows,
+///   encode_fp8_kv_row; last dim contiguous; a narrowed KV cache is read in place), key_real [B, K]
+///   (bool or integer: the key is not padding).
 /// Query column s sees key j when j <= first_query_key + s and key_real[b, j]; a query with no
 /// visible key averages all K values (what a softmax over equally blocked scores gives).
 /// Query head h uses KV head h / (heads / kv_heads). Returns [B, heads, S, D], float32.

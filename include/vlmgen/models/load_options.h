@@ -98,15 +98,17 @@ inline LoadOptions load_options_for_dtype(const std::string& name) {
 
 /// The command lines' help for --kv-dtype.
 inline constexpr const char* kKvCacheDtypeHelp =
-    "what the KV cache stores: f32 (default, exact) or bf16 (half the cache's memory and of the bytes a "
-    "long-context decode step reads; keys and values rounded to bfloat16, attention still float32)";
+    "what the KV cache stores: f32 (default, exact), bf16 (half the cache's memory and of the bytes a "
+    "long-context decode step reads; keys and values rounded to bfloat16) or fp8 (E4M3 bytes with a scale per "
+    "key or value row, about a quarter; rounded to 3 mantissa bits); attention stays float32 with all three";
 
-/// "f32"/"float32" or "bf16"/"bfloat16": what the model's KV caches store
-/// (LoadOptions::kv_cache_dtype); anything else is a vlmgen::Error listing those.
+/// "f32"/"float32", "bf16"/"bfloat16" or "fp8"/"e4m3" (at::kByte, check_kv_cache_dtype): what the
+/// model's KV caches store (LoadOptions::kv_cache_dtype); anything else is a vlmgen::Error listing those.
 inline at::ScalarType parse_kv_cache_dtype(const std::string& name) {
   if (name == "f32" || name == "float32") return at::kFloat;
   if (name == "bf16" || name == "bfloat16") return at::kBFloat16;
-  VLMGEN_FAIL("KV cache dtype must be f32 or bf16, got '{}'", name);
+  if (name == "fp8" || name == "e4m3") return at::kByte;
+  VLMGEN_FAIL("KV cache dtype must be f32, bf16 or fp8, got '{}'", name);
 }
 
 /// The options a command line's `--dtype`, `--device` and `--kv-dtype` name. In a multi-process run a plain
