@@ -180,7 +180,7 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype, "the language model's weights: f32, bf16, f16, or fp8 (an FP8 checkpoint, CPU)")
       ->capture_default_str();
   app.add_option("--kv-dtype", kv_dtype, vlmgen::kKvCacheDtypeHelp)
-      ->check(CLI::IsMember({"f32", "bf16"}))
+      ->check(CLI::IsMember({"f32", "bf16", "fp8"}))
       ->capture_default_str();
   app.add_option("--device", device,
                  "cpu, cuda or cuda:N (with --nproc, 'cuda' gives each rank the device of its local rank; use "

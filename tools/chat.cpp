@@ -237,7 +237,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"f32", "bf16", "f16", "fp8"}))
       ->capture_default_str();
   app.add_option("--kv-dtype", o.kv_dtype, vlmgen::kKvCacheDtypeHelp)
-      ->check(CLI::IsMember({"f32", "bf16"}))
+      ->check(CLI::IsMember({"f32", "bf16", "fp8"}))
       ->capture_default_str();
   app.add_option("--device", o.device,
                  "cpu, cuda or cuda:N (with --nproc, 'cuda' gives each rank the device of its local rank; use "

@@ -50,5 +50,12 @@ foreach(family qwen2_vl qwen2_5_vl qwen3_vl)
   if(NOT "${image_tp_kv16}" STREQUAL "${image_kv16}")
     message(FATAL_ERROR "${family}: --kv-dtype bf16 --nproc 2 streamed '${image_tp_kv16}' but one process '${image_kv16}'")
   endif()
+  # An FP8 KV cache: each key and value row (one head of one token) has its own scale, so two ranks
+  # (each encoding its own heads' rows) stream what one does.
+  tokens_of(image_kv8 ${family} ${picture} --kv-dtype fp8)
+  tokens_of(image_tp_kv8 ${family} ${picture} --kv-dtype fp8 --nproc 2)
+  if(NOT "${image_tp_kv8}" STREQUAL "${image_kv8}")
+    message(FATAL_ERROR "${family}: --kv-dtype fp8 --nproc 2 streamed '${image_tp_kv8}' but one process '${image_kv8}'")
+  endif()
 endforeach()
 file(REMOVE_RECURSE ${WORK_DIR})

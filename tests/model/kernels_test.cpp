@@ -334,12 +334,13 @@ TEST(CpuKernels, DecodeAttentionOverABfloat16CacheIsTheFloat32PathOnTheSameValue
 
 // An FP8 cache (rows of E4M3 bytes and their scale, encode_fp8_kv_row): every path attends as
 // float64 does over the rows' decoded values (decode_fp8_kv), within float32 accumulation: head
-// dims with and without a scalar tail and the register-blocked value pass, rows of very different
+// dims with and without a scalar tail, the register-blocked value pass and key blocks widened
+// once per group (and a head too wide for that), rows of very different
 // scales (a factor applied to the wrong key or value row shows), padding, causal columns, a cache
 // view and a row with every key blocked.
 TEST(CpuKernels, DecodeAttentionOverAnFp8CacheMatchesFloat64OnItsDecodedValues) {
   at::manual_seed(12);
-  for (int64_t d : {24, 40, 64, 128}) {
+  for (int64_t d : {24, 40, 64, 128, 320}) {  // 320: wider than the blocks widened on the stack
     const int64_t keys = 70, capacity = 80, s = 2;
     // Key rows from 1/4 to 4 (scores stay within the exponential's useful range), value rows from
     // 4^-3 to 4^3.
