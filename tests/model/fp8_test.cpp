@@ -870,6 +870,18 @@ TEST(Fp8Load, PeakResidentMemoryOfABytesLoadIsTheWeights) {
 
 // ---- the shipped captioner ----------------------------------------------------------------------
 
+/// How many of 200 unseen pictures (evaluation scenes of `seed`) two captioners caption alike.
+int same_captions(shapes::ShapesCaptioner& a, shapes::ShapesCaptioner& b, uint64_t seed) {
+  std::vector<Image> pictures;
+  for (const shapes::Scene& scene : shapes::make_scenes(seed, shapes::Split::kEval, 0, 200))
+    pictures.push_back(scene.image);
+  const auto x = a.caption(pictures, GenerationConfig(), 50);
+  const auto y = b.caption(pictures, GenerationConfig(), 50);
+  int same = 0;
+  for (size_t i = 0; i < pictures.size(); ++i) same += x.captions[i] == y.captions[i];
+  return same;
+}
+
 // A trained model is the measure of FP8 rounding (a random tiny model's greedy path is chaotic):
 // the captioner's FP8 copy captions 200 unseen pictures as the F32 model does. Its lm_head is
 // tied (stored nowhere): quantizing must skip it, not dereference it.
@@ -884,14 +896,8 @@ TEST(Fp8ShapesCaptioner, TiedCaptionerInFp8CaptionsLikeF32) {
   shapes::ShapesCaptioner f32 = shapes::ShapesCaptioner::load(source);
   shapes::ShapesCaptioner fp8 = shapes::ShapesCaptioner::load(scratch.dir("fp8"));
   EXPECT_TRUE(fp8.model().tied_embeddings());
-  std::vector<Image> pictures;
-  for (const shapes::Scene& scene : shapes::make_scenes(11, shapes::Split::kEval, 0, 200))
-    pictures.push_back(scene.image);
-  const auto a = f32.caption(pictures, GenerationConfig(), 50);
-  const auto b = fp8.caption(pictures, GenerationConfig(), 50);
-  int same = 0;
-  for (size_t i = 0; i < pictures.size(); ++i) same += a.captions[i] == b.captions[i];
-  std::printf("[ measured ] FP8 (HF blocks) captions equal to F32 on %d of %zu pictures\n", same, pictures.size());
+  const int same = same_captions(f32, fp8, 11);
+  std::printf("[ measured ] FP8 (HF blocks) captions equal to F32 on %d of 200 pictures\n", same);
   EXPECT_GE(same, 190);
 
   QuantizeOptions with_embedding;
@@ -909,15 +915,8 @@ TEST(Fp8ShapesCaptioner, AnFp8KvCacheCaptionsLikeAFloat32Cache) {
   shapes::ShapesCaptioner exact = shapes::ShapesCaptioner::load(source);
   shapes::ShapesCaptioner rounded = shapes::ShapesCaptioner::load(source);
   rounded.model().set_kv_cache_dtype(at::kByte);
-  std::vector<Image> pictures;
-  for (const shapes::Scene& scene : shapes::make_scenes(13, shapes::Split::kEval, 0, 200))
-    pictures.push_back(scene.image);
-  const auto a = exact.caption(pictures, GenerationConfig(), 50);
-  const auto b = rounded.caption(pictures, GenerationConfig(), 50);
-  int same = 0;
-  for (size_t i = 0; i < pictures.size(); ++i) same += a.captions[i] == b.captions[i];
-  std::printf("[ measured ] FP8 KV cache: captions equal to the float32 cache's on %d of %zu pictures\n", same,
-              pictures.size());
+  const int same = same_captions(exact, rounded, 13);
+  std::printf("[ measured ] FP8 KV cache: captions equal to the float32 cache's on %d of 200 pictures\n", same);
   EXPECT_GE(same, 190);
 }
 

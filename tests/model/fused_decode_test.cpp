@@ -115,6 +115,8 @@ void expect_identical(const Run& fused, const Run& op_by_op, const std::string& 
       << "fused " << fused.aten_calls << ", op by op " << op_by_op.aten_calls;
 }
 
+using DecodeRun = Run;  // inside a test fixture Run names testing::Test::Run
+
 class FusedDecodeTest : public ::testing::TestWithParam<QwenFamily> {
  protected:
   FusedDecodeTest() : config_(QwenVlConfig::tiny(GetParam())), model_(config_, 0) {
@@ -131,6 +133,12 @@ class FusedDecodeTest : public ::testing::TestWithParam<QwenFamily> {
     m.release();
     return std::unique_ptr<QwenVl>(qwen);
   }
+
+  /// The float32 checkpoint over a `kv_dtype` cache: its fused step writes and reads the cache as
+  /// the layers op by op do, bit for bit, with float32 weights, in the engine's several-request
+  /// step, and with FP8 weights. Returns the model and its fused run (null if it did not load).
+  std::pair<std::unique_ptr<QwenVl>, DecodeRun> expect_fused_like_op_by_op_over(at::ScalarType kv_dtype,
+                                                                                const std::string& cache);
 
   QwenVlConfig config_;
   QwenVl model_;
@@ -224,28 +232,43 @@ TEST_P(FusedDecodeTest, SeveralRequestsInOneStepEqualTheLayersOpByOp) {
       << "the fused step did not run: " << fused_calls << " ATen calls against " << op_calls;
 }
 
+std::pair<std::unique_ptr<QwenVl>, DecodeRun> FusedDecodeTest::expect_fused_like_op_by_op_over(
+    at::ScalarType kv_dtype, const std::string& cache) {
+  LoadOptions options;
+  options.kv_cache_dtype = kv_dtype;
+  std::unique_ptr<QwenVl> model = load(scratch_.dir("f32"), options);
+  if (model == nullptr) return {};
+  EXPECT_EQ(model->traits().kv_cache.dtype, kv_dtype);
+  DecodeRun fused = generate(*model, true);
+  EXPECT_EQ(fused.keys[0].scalar_type(), kv_dtype);
+  expect_identical(fused, generate(*model, false), "float32 weights, " + cache);
+  int64_t fused_calls = 0, op_calls = 0;
+  const std::vector<at::Tensor> batched = batched_decode(*model, true, 3, fused_calls);
+  const std::vector<at::Tensor> batched_op = batched_decode(*model, false, 3, op_calls);
+  EXPECT_EQ(batched.size(), batched_op.size());
+  for (size_t i = 0; i < batched.size() && i < batched_op.size(); ++i)
+    EXPECT_TRUE(at::equal(batched[i], batched_op[i])) << cache << ", engine step " << i;
+  EXPECT_LT(fused_calls + 3 * 40 * config_.num_hidden_layers, op_calls);
+
+  QuantizeOptions quantize;
+  quantize.block = {16, 16};
+  const std::string fp8_dir = scratch_.dir("fp8-" + std::string(c10::toString(kv_dtype)));
+  quantize_checkpoint(scratch_.dir("f32"), fp8_dir, quantize);
+  options.keep_fp8 = true;
+  std::unique_ptr<QwenVl> bytes = load(fp8_dir, options);
+  if (bytes != nullptr) expect_identical(generate(*bytes, true), generate(*bytes, false), "fp8 weights, " + cache);
+  return {std::move(model), std::move(fused)};
+}
+
 // A bfloat16 KV cache (LoadOptions::kv_cache_dtype): the fused step writes and reads it as the
 // layers op by op do (ATen's rounding on the way in), bit for bit, with float32 and FP8 weights
 // and in the engine's several-request step; the cache takes half the bytes; layer 0's keys and
 // values are the float32 cache's rounded to bfloat16; and the logits stay near float32's.
 TEST_P(FusedDecodeTest, ABfloat16KvCacheIsWrittenAndReadAsTheLayersOpByOpDo) {
-  LoadOptions options;
-  options.kv_cache_dtype = at::kBFloat16;
-  std::unique_ptr<QwenVl> model = load(scratch_.dir("f32"), options);
+  auto [model, fused] = expect_fused_like_op_by_op_over(at::kBFloat16, "bfloat16 cache");
   ASSERT_NE(model, nullptr);
-  ASSERT_EQ(model->traits().kv_cache.dtype, at::kBFloat16);
   EXPECT_EQ(InferenceContext(model->traits().kv_cache, 1, 8).bytes() * 2,
             InferenceContext(model_.traits().kv_cache, 1, 8).bytes());
-  const auto fused = generate(*model, true);
-  ASSERT_EQ(fused.keys[0].scalar_type(), at::kBFloat16);
-  expect_identical(fused, generate(*model, false), "float32 weights, bfloat16 cache");
-  int64_t fused_calls = 0, op_calls = 0;
-  const std::vector<at::Tensor> batched = batched_decode(*model, true, 3, fused_calls);
-  const std::vector<at::Tensor> batched_op = batched_decode(*model, false, 3, op_calls);
-  ASSERT_EQ(batched.size(), batched_op.size());
-  for (size_t i = 0; i < batched.size(); ++i) EXPECT_TRUE(at::equal(batched[i], batched_op[i])) << "engine step " << i;
-  EXPECT_LT(fused_calls + 3 * 40 * config_.num_hidden_layers, op_calls);
-
   const auto exact = generate(model_, true);
   const int64_t prompt = 10;  // the image row's prompt: the columns every run computes alike
   EXPECT_TRUE(at::equal(fused.keys[0].narrow(2, 0, prompt), exact.keys[0].narrow(2, 0, prompt).to(at::kBFloat16)));
@@ -254,14 +277,6 @@ TEST_P(FusedDecodeTest, ABfloat16KvCacheIsWrittenAndReadAsTheLayersOpByOpDo) {
   report("bfloat16 cache: prefill logits' largest difference from float32's, relative", drift);
   EXPECT_GT(drift, 0.0);  // the cache was rounded
   EXPECT_LT(drift, 2e-2);
-
-  QuantizeOptions quantize;
-  quantize.block = {16, 16};
-  quantize_checkpoint(scratch_.dir("f32"), scratch_.dir("fp8"), quantize);
-  options.keep_fp8 = true;
-  std::unique_ptr<QwenVl> bytes = load(scratch_.dir("fp8"), options);
-  ASSERT_NE(bytes, nullptr);
-  expect_identical(generate(*bytes, true), generate(*bytes, false), "fp8 weights, bfloat16 cache");
 
   try {
     model->set_kv_cache_dtype(at::kHalf);
@@ -278,24 +293,12 @@ TEST_P(FusedDecodeTest, ABfloat16KvCacheIsWrittenAndReadAsTheLayersOpByOpDo) {
 // the float32 cache's keys and values encoded (encode_fp8_kv), and read back within E4M3's half
 // step of them; the logits stay near float32's.
 TEST_P(FusedDecodeTest, AnFp8KvCacheIsWrittenAndReadAsTheLayersOpByOpDo) {
-  LoadOptions options;
-  options.kv_cache_dtype = at::kByte;
-  std::unique_ptr<QwenVl> model = load(scratch_.dir("f32"), options);
+  auto [model, fused] = expect_fused_like_op_by_op_over(at::kByte, "FP8 cache");
   ASSERT_NE(model, nullptr);
-  ASSERT_EQ(model->traits().kv_cache.dtype, at::kByte);
   const int64_t d = config_.head_dim;
   EXPECT_EQ(InferenceContext(model->traits().kv_cache, 1, 8).bytes() * 4 * d,
             InferenceContext(model_.traits().kv_cache, 1, 8).bytes() * (d + 4));
-  const auto fused = generate(*model, true);
-  ASSERT_EQ(fused.keys[0].scalar_type(), at::kByte);
   ASSERT_EQ(fused.keys[0].size(3), d + 4);
-  expect_identical(fused, generate(*model, false), "float32 weights, FP8 cache");
-  int64_t fused_calls = 0, op_calls = 0;
-  const std::vector<at::Tensor> batched = batched_decode(*model, true, 3, fused_calls);
-  const std::vector<at::Tensor> batched_op = batched_decode(*model, false, 3, op_calls);
-  ASSERT_EQ(batched.size(), batched_op.size());
-  for (size_t i = 0; i < batched.size(); ++i) EXPECT_TRUE(at::equal(batched[i], batched_op[i])) << "engine step " << i;
-  EXPECT_LT(fused_calls + 3 * 40 * config_.num_hidden_layers, op_calls);
 
   const auto exact = generate(model_, true);
   const int64_t prompt = 10;  // the image row's prompt: the columns every run computes alike
@@ -309,14 +312,6 @@ TEST_P(FusedDecodeTest, AnFp8KvCacheIsWrittenAndReadAsTheLayersOpByOpDo) {
   report("FP8 cache: prefill logits' largest difference from float32's, relative", drift);
   EXPECT_GT(drift, 0.0);  // the cache was rounded
   EXPECT_LT(drift, 0.1);
-
-  QuantizeOptions quantize;
-  quantize.block = {16, 16};
-  quantize_checkpoint(scratch_.dir("f32"), scratch_.dir("fp8"), quantize);
-  options.keep_fp8 = true;
-  std::unique_ptr<QwenVl> bytes = load(scratch_.dir("fp8"), options);
-  ASSERT_NE(bytes, nullptr);
-  expect_identical(generate(*bytes, true), generate(*bytes, false), "fp8 weights, FP8 cache");
 }
 
 /// ATen calls made during one decode step of `model` over a prefilled context.
