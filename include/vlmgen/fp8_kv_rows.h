@@ -4,8 +4,8 @@
 // exponent bits of bias 7, 3 mantissa bits; vlmgen/io/fp8.h), then its scale as a float32
 // (kFp8KvScaleBytes, native byte order, unaligned): element i is e4m3(byte i) * scale, the scale
 // amax / 448 of the row, so the row's largest magnitude lands on E4M3's largest and nothing
-// saturates (1 for a row of zeros). A row holding a NaN or an infinity gets a NaN or infinite
-// scale and reads back as NaNs or infinities, never as finite numbers.
+// saturates (1 for a row of zeros). A row holding a NaN gets a NaN scale and reads back all NaN;
+// one holding an infinity (and no NaN) reads back all +infinity: never as finite numbers.
 
 #include <ATen/ATen.h>
 

@@ -91,8 +91,9 @@ class CausalVlm {
   virtual const ModelTraits& traits() const = 0;
 
   /// What the KV caches generators and engines allocate for this model store
-  /// (traits().kv_cache.dtype): float32, or bfloat16 where the model's forward reads such a cache
-  /// (the shipped models do). A dtype it cannot use is a vlmgen::Error.
+  /// (traits().kv_cache.dtype): float32, or bfloat16 or FP8 (at::kByte, fp8_kv_rows.h) where the
+  /// model's forward reads such a cache (the shipped models do, on the CPU). A dtype it cannot use
+  /// is a vlmgen::Error.
   virtual void set_kv_cache_dtype(at::ScalarType dtype) {
     VLMGEN_CHECK(dtype == at::kFloat, "this model keeps a float32 KV cache, not {}", c10::toString(dtype));
   }

@@ -120,6 +120,10 @@ PythonModel::PythonModel(py::object model) : model_(std::move(model)) {
       "num_kv_heads=..., head_dim=...) for the cache the generator allocates (the model fills it with "
       "args.context.append_kv), or supports_kv_cache=False",
       name_);
+  VLMGEN_CHECK(!traits_.supports_kv_cache || traits_.kv_cache.dtype != at::kByte,
+               "{}.traits: kv_cache dtype 'fp8' is for vlmgen's own models (their kernels read the E4M3 rows); a "
+               "Python model's cache stores float32, bfloat16 or float16",
+               name_);
   if (py::hasattr(model_, "device")) {
     py::object device = model_.attr("device");
     if (PyCallable_Check(device.ptr())) device = device();

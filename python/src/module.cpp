@@ -109,7 +109,8 @@ void bind_traits(py::module_& m) {
   // An FP8 cache (at::kByte: E4M3 rows with their scales, vlmgen/fp8_kv_rows.h) is 'fp8' here.
   auto spec_dtype_name = [](const KvCacheSpec& s) { return s.dtype == at::kByte ? "fp8" : dtype_name(s.dtype); };
   auto set_spec_dtype = [](KvCacheSpec& s, py::handle v) {
-    s.dtype = std::string(py::str(v)) == "fp8" ? at::kByte : dtype_from_python(v);
+    const std::string name = py::str(v);
+    s.dtype = name == "fp8" || name == "e4m3" ? at::kByte : dtype_from_python(v);
   };
   spec.def_property(
       "dtype", spec_dtype_name, set_spec_dtype,

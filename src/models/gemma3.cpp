@@ -234,6 +234,7 @@ void Gemma3::convert_weights(at::ScalarType dtype) {
 }
 
 void Gemma3::to(at::Device device) {
+  check_kv_cache_dtype(traits_.kv_cache.dtype, device);  // the 16- and 8-bit caches are the CPU's
   for (WeightSlot& slot : weight_slots()) *slot.tensor = slot.tensor->to(device);
   if (config_.tie_word_embeddings) tie_lm_head();
 }

@@ -142,6 +142,7 @@ qwen_vl::ShardLayout LlavaNext::shard_layout(const std::string& name) const {
 }
 
 void LlavaNext::to(at::Device device) {
+  check_kv_cache_dtype(traits().kv_cache.dtype, device);  // the 16- and 8-bit caches are the CPU's
   lm_->to(device);
   for (const QwenVl::WeightSlot& slot : vision_weights()) *slot.tensor = slot.tensor->to(device);
 }

@@ -364,6 +364,7 @@ std::vector<std::pair<std::string, const at::Tensor*>> QwenVl::named_weights() c
 }
 
 void QwenVl::to(at::Device device) {
+  check_kv_cache_dtype(traits_.kv_cache.dtype, device);  // the 16- and 8-bit caches are the CPU's
   VLMGEN_CHECK(device.is_cpu() || !keeps_fp8(),
                "this model computes from FP8 bytes (LoadOptions::keep_fp8), which runs on the CPU only; cannot move it "
                "to {} (load it without keep_fp8 to dequantize)",

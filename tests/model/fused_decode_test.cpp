@@ -312,6 +312,13 @@ TEST_P(FusedDecodeTest, AnFp8KvCacheIsWrittenAndReadAsTheLayersOpByOpDo) {
   report("FP8 cache: prefill logits' largest difference from float32's, relative", drift);
   EXPECT_GT(drift, 0.0);  // the cache was rounded
   EXPECT_LT(drift, 0.1);
+  try {  // the FP8 cache is read by the CPU's kernels: moving the model elsewhere is refused up front
+    model->to(at::Device(at::kCUDA));
+    ADD_FAILURE() << "a model with an FP8 KV cache moved to CUDA";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("FP8 KV cache is for models on the CPU"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(model->device().is_cpu());
 }
 
 /// ATen calls made during one decode step of `model` over a prefilled context.

@@ -443,3 +443,18 @@ def test_an_hf_style_model_without_traits_gets_them_from_its_config():
 
     with pytest.raises(vlmgen.Error, match="config has no vocab_size"):
         vlmgen.Generator(NoVocab())
+
+
+def test_a_python_models_cache_cannot_be_fp8():
+    # The FP8 cache's rows are read by vlmgen's own kernels; a Python model's attention would get
+    # bytes, so asking for one is an error naming the model, and the spec reports the dtype as given.
+    class Rows:
+        traits = vlmgen.ModelTraits(vocab_size=10, supports_kv_cache=True,
+                                    kv_cache=dict(num_layers=1, num_kv_heads=1, head_dim=8, dtype="fp8"))
+
+        def forward(self, args):
+            return torch.zeros(args.input_ids.shape[0], args.input_ids.shape[1], 10)
+
+    assert vlmgen.KvCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="e4m3").dtype == "fp8"
+    with pytest.raises(vlmgen.Error, match="kv_cache dtype 'fp8' is for vlmgen's own models"):
+        vlmgen.Generator(Rows())

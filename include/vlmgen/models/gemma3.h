@@ -166,7 +166,8 @@ class Gemma3 : public CausalVlm {
   void save_checkpoint(const std::string& dir) const;
 
   const ModelTraits& traits() const override { return traits_; }
-  /// float32 (default) or bfloat16 (check_kv_cache_dtype); LoadOptions::kv_cache_dtype sets it.
+  /// float32 (default), bfloat16 or FP8 (at::kByte; check_kv_cache_dtype); LoadOptions::kv_cache_dtype
+  /// sets it.
   void set_kv_cache_dtype(at::ScalarType dtype) override;
   /// Logits [B, S, vocab] (this rank's vocabulary block under TP), float32. Placeholders in the
   /// window take args.image_embeddings' rows, else the vision tower's for args.vision; the counts

@@ -151,7 +151,8 @@ class LlavaNext : public CausalVlm {
   void save_checkpoint(const std::string& dir) const;
 
   const ModelTraits& traits() const override { return traits_; }
-  /// float32 (default) or bfloat16 (check_kv_cache_dtype); LoadOptions::kv_cache_dtype sets it.
+  /// float32 (default), bfloat16 or FP8 (at::kByte; check_kv_cache_dtype); LoadOptions::kv_cache_dtype
+  /// sets it.
   void set_kv_cache_dtype(at::ScalarType dtype) override;
   at::Tensor forward(const ForwardArgs& args) override;
   std::vector<at::Tensor> forward_batch(const std::vector<const ForwardArgs*>& calls) override;

@@ -39,9 +39,11 @@ struct LoadOptions {
   /// allocation.
   bool huge_pages = true;
   /// What the model's KV caches store (its traits().kv_cache.dtype, which generators and the
-  /// engine allocate): float32 (default; exact parity with the reference) or bfloat16, half the
+  /// engine allocate): float32 (default; exact parity with the reference), bfloat16 (half the
   /// cache's memory and half the bytes a long-context decode step reads, each key and value
-  /// rounded to bfloat16 when written; attention still computes in float32.
+  /// rounded to bfloat16 when written) or at::kByte, FP8 (E4M3 rows with a scale each,
+  /// fp8_kv_rows.h: about a quarter, each element rounded to 3 mantissa bits at its row's scale);
+  /// attention still computes in float32. The 16- and 8-bit caches on the CPU only.
   at::ScalarType kv_cache_dtype = at::kFloat;
 };
 

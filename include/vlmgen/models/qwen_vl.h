@@ -165,7 +165,8 @@ class QwenVl : public CausalVlm {
   void save_checkpoint(const std::string& dir) const;
 
   const ModelTraits& traits() const override { return traits_; }
-  /// float32 (default) or bfloat16 (check_kv_cache_dtype); LoadOptions::kv_cache_dtype sets it.
+  /// float32 (default), bfloat16 or FP8 (at::kByte; check_kv_cache_dtype); LoadOptions::kv_cache_dtype
+  /// sets it.
   void set_kv_cache_dtype(at::ScalarType dtype) override;
   /// Logits [B, S, vocab], float32 ([B, S, vocab / tp], this rank's block, under tensor
   /// parallelism). Image placeholders in the window take, in order, the rows
