@@ -97,12 +97,13 @@ function cpuBackend() {
   return null;
 }
 
+// MB of 10^6 bytes, the unit of the weights' sizes (the kernel's "kB" are KiB).
 function peakRssMb() {
   try {
     const m = /VmHWM:\s+(\d+) kB/.exec(readFileSync("/proc/self/status", "utf8"));
-    if (m) return Number(m[1]) / 1024;
+    if (m) return (Number(m[1]) * 1024) / 1e6;
   } catch {}
-  return process.resourceUsage().maxRSS / 1024;  // kB
+  return (process.resourceUsage().maxRSS * 1024) / 1e6;  // KiB
 }
 
 const now = () => process.hrtime.bigint();

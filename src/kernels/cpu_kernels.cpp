@@ -105,7 +105,9 @@ bool weight_dtype_ok(const at::Tensor& w, const Fp8Scales& fp8) {
   return w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf;
 }
 
-raw::WeightType weight_type(const at::Tensor& w, const Fp8Scales& fp8) {
+}  // namespace
+
+raw::WeightType internal::weight_type(const at::Tensor& w, const Fp8Scales& fp8) {
   if (fp8.defined()) return fp8.e5m2 ? raw::WeightType::kE5M2 : raw::WeightType::kE4M3;
   switch (w.scalar_type()) {
     case at::kFloat: return raw::WeightType::kF32;
@@ -116,8 +118,6 @@ raw::WeightType weight_type(const at::Tensor& w, const Fp8Scales& fp8) {
                   at::toString(w.scalar_type()));
   }
 }
-
-}  // namespace
 
 at::Tensor internal::checked_fp8_grid(const at::Tensor& w, const Fp8Scales& fp8) {
   if (!fp8.defined()) return {};
@@ -135,9 +135,7 @@ at::Tensor internal::checked_fp8_grid(const at::Tensor& w, const Fp8Scales& fp8)
   return fp8.grid.contiguous();
 }
 
-namespace {
-
-raw::Fp8Scales raw_scales(const at::Tensor& grid, const Fp8Scales& fp8) {
+raw::Fp8Scales internal::raw_scales(const at::Tensor& grid, const Fp8Scales& fp8) {
   raw::Fp8Scales r;
   if (!grid.defined()) return r;
   r.grid = grid.data_ptr<float>();
@@ -147,6 +145,10 @@ raw::Fp8Scales raw_scales(const at::Tensor& grid, const Fp8Scales& fp8) {
   r.factor = fp8.e5m2 ? 1.0f : 256.0f;  // E4M3 bytes read as halves are 2^-8 of their value
   return r;
 }
+
+namespace {
+using internal::raw_scales;
+using internal::weight_type;
 
 void run_rows_linear(Isa isa, const raw::RowsLinear& a, int64_t begin, int64_t end) {
   switch (isa) {
@@ -165,6 +167,19 @@ void run_widen(Isa isa, const raw::WidenArgs& a, int64_t begin, int64_t end) {
 }
 
 }  // namespace
+
+void internal::widen_rows(Isa isa, const at::Tensor& weight, const Fp8Scales& fp8, const at::Tensor& grid,
+                          int64_t first, int64_t last, float* dst) {
+  const int64_t cols = weight.dim() == 2 ? weight.size(1) : 1;
+  raw::WidenArgs a{weight.data_ptr(), weight_type(weight, fp8), dst, cols, raw_scales(grid, fp8), first * cols};
+  if (fp8.defined()) {  // by rows
+    at::parallel_for(first, last, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, cols)),
+                     [&](int64_t begin, int64_t end) { run_widen(isa, a, begin, end); });
+  } else {
+    at::parallel_for(first * cols, last * cols, 1 << 16,
+                     [&](int64_t begin, int64_t end) { run_widen(isa, a, begin, end); });
+  }
+}
 
 void internal::run_attention(Isa isa, const raw::HeadGroupAttention& a) {
   switch (isa) {
@@ -203,6 +218,7 @@ void internal::linear_rows(Isa isa, const float* x, int64_t ldx, int64_t rows, c
 using internal::checked_fp8_grid;
 using internal::kernel_fits;
 using internal::run_attention;
+using internal::widen_rows;
 
 const char* isa_name(Isa isa) {
   switch (isa) {
@@ -247,8 +263,9 @@ at::Tensor linear_on(Isa isa, const at::Tensor& x, const at::Tensor& weight, con
                detail::shape_str(x), in);
   VLMGEN_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == out_features),
                "kernels::linear: bias {} must be [{}]", detail::shape_str(bias), out_features);
-  const at::Tensor grid = checked_fp8_grid(weight, fp8);
   const int64_t rows = in == 0 ? 0 : x.numel() / in;
+  if (rows > max_fast_rows(weight.scalar_type())) return internal::many_rows_linear(isa, true, x, weight, bias, fp8);
+  const at::Tensor grid = checked_fp8_grid(weight, fp8);
   const at::Tensor flat = x.reshape({rows, in}).contiguous();
   const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
   at::Tensor y = at::empty({rows, out_features}, x.options());
@@ -259,55 +276,6 @@ at::Tensor linear_on(Isa isa, const at::Tensor& x, const at::Tensor& weight, con
   return y.view(shape);
 }
 
-namespace {
-
-/// Rows [first, last) of `weight` as float32 (FP8: times their scales) into dst, on the ATen
-/// threads.
-void widen_rows(Isa isa, const at::Tensor& weight, const Fp8Scales& fp8, const at::Tensor& grid, int64_t first,
-                int64_t last, float* dst) {
-  const int64_t cols = weight.dim() == 2 ? weight.size(1) : 1;
-  raw::WidenArgs a{weight.data_ptr(), weight_type(weight, fp8), dst, cols, raw_scales(grid, fp8), first * cols};
-  if (fp8.defined()) {  // by rows
-    at::parallel_for(first, last, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, cols)),
-                     [&](int64_t begin, int64_t end) { run_widen(isa, a, begin, end); });
-  } else {
-    at::parallel_for(first * cols, last * cols, 1 << 16,
-                     [&](int64_t begin, int64_t end) { run_widen(isa, a, begin, end); });
-  }
-}
-
-/// Float32 weights per block of widened_linear: 4 MiB.
-constexpr int64_t kWidenBlockFloats = int64_t{1} << 20;
-
-/// x [..., in] times a 16-bit or FP8 weight [out, in] through ATen's GEMM, the weight widened a
-/// block of output rows at a time into one buffer that each thread keeps: a prefill allocates
-/// no float32 copy of each matrix per call (those multi-megabyte allocations are what moves
-/// glibc's mmap threshold and slows later decoding).
-at::Tensor widened_linear(Isa isa, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                          const Fp8Scales& fp8) {
-  const at::Tensor grid = checked_fp8_grid(weight, fp8);
-  const int64_t out_features = weight.size(0), in = weight.size(1);
-  const int64_t rows = in == 0 ? 0 : x.numel() / in;
-  const at::Tensor flat = x.reshape({rows, in});
-  at::Tensor y = at::empty({rows, out_features}, x.options());
-  const int64_t block = std::max<int64_t>(1, kWidenBlockFloats / std::max<int64_t>(1, in));
-  thread_local std::vector<float> buffer;
-  buffer.resize(static_cast<size_t>(std::max<int64_t>(buffer.size(), std::min(block, out_features) * in)));
-  for (int64_t first = 0; first < out_features; first += block) {
-    const int64_t n = std::min(block, out_features - first);
-    widen_rows(isa, weight, fp8, grid, first, first + n, buffer.data());
-    const at::Tensor w = at::from_blob(buffer.data(), {n, in}, at::TensorOptions().dtype(at::kFloat));
-    at::Tensor part = y.narrow(1, first, n);
-    at::mm_out(part, flat, w.t());
-  }
-  if (bias.defined()) y.add_(bias);
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = out_features;
-  return y.view(shape);
-}
-
-}  // namespace
-
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const Fp8Scales& fp8) {
   VLMGEN_CHECK(x.dim() >= 1, "kernels::linear: the input must have a feature dimension, got {}", detail::shape_str(x));
   const int64_t in = x.size(-1);
@@ -317,10 +285,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   // matrix, which a few more rows of kernel work pays for.
   const int64_t max_rows = max_fast_rows(weight.scalar_type());
   if (rows <= max_rows && fits && enabled()) return linear_on(active_isa(), x, weight, bias, fp8);
-  // Many rows: ATen's GEMM on float32 weights, widened here (ATen's own bfloat16 widening is ~10x
-  // slower, and it cannot read FP8 at all).
-  if (fits && (fp8.defined() || (weight.scalar_type() != at::kFloat && enabled()))) {
-    return widened_linear(active_isa(), x, weight, bias, fp8);
+  // Many rows: the GEMM tiles on AVX2 and AVX-512, else ATen's GEMM on float32 weights (16-bit and
+  // FP8 weights widened here: ATen's own bfloat16 widening is ~10x slower, and it cannot read FP8).
+  const bool tiles = fits && enabled() && active_isa() != Isa::kPortable;
+  if (tiles || (fits && (fp8.defined() || (weight.scalar_type() != at::kFloat && enabled())))) {
+    return internal::many_rows_linear(active_isa(), tiles, x, weight, bias, fp8);
   }
   VLMGEN_CHECK(!fp8.defined(), "kernels::linear: FP8 weights need float32 input on the CPU, got {} on {}",
                at::toString(x.scalar_type()), x.device().str());

@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include "attention_impl.h"
+#include "gemm_impl.h"
 #include "kernels_impl.h"
 
 namespace vlmgen::kernels::raw {
@@ -15,6 +16,8 @@ struct Avx2 {
   static constexpr int64_t kLanes = 8;
   static constexpr int kOutTile = 4;  // 4 x 2 accumulators + 2 inputs + 1 weight of 16 registers
   static constexpr int kRowTile = 2;
+  static constexpr int kGemmOutTile = 3;  // 3 x 3 accumulators + 3 inputs + 1 weight of 16 registers
+  static constexpr int kGemmRowTile = 3;
   static constexpr bool kWholeLines = false;
   static constexpr bool kLaneSums = false;  // no lane_sums(): decode attention sums key by key
   static V zero() { return _mm256_setzero_ps(); }
@@ -58,6 +61,7 @@ struct Avx2 {
 
 void rows_linear_avx2(const RowsLinear& a, int64_t o_begin, int64_t o_end) { rows_linear<Avx2>(a, o_begin, o_end); }
 void attention_avx2(const HeadGroupAttention& a) { attention<Avx2>(a); }
+void gemm_avx2(const RowsLinear& a, int64_t o_begin, int64_t o_end) { gemm<Avx2>(a, o_begin, o_end); }
 void widen_avx2(const WidenArgs& a, int64_t begin, int64_t end) { widen<Avx2>(a, begin, end); }
 void silu_mul_avx2(const float* gate, const float* up, float* y, int64_t n) { silu_mul<Avx2>(gate, up, y, n); }
 void scaled_softmax_avx2(float* x, int64_t rows, int64_t n, float scale) { scaled_softmax<Avx2>(x, rows, n, scale); }
@@ -71,6 +75,7 @@ bool avx2_compiled() { return true; }
 namespace vlmgen::kernels::raw {
 void rows_linear_avx2(const RowsLinear& a, int64_t o_begin, int64_t o_end) { rows_linear_portable(a, o_begin, o_end); }
 void attention_avx2(const HeadGroupAttention& a) { attention_portable(a); }
+void gemm_avx2(const RowsLinear& a, int64_t o_begin, int64_t o_end) { gemm_portable(a, o_begin, o_end); }
 void widen_avx2(const WidenArgs& a, int64_t begin, int64_t end) { widen_portable(a, begin, end); }
 void silu_mul_avx2(const float* gate, const float* up, float* y, int64_t n) { silu_mul_portable(gate, up, y, n); }
 void scaled_softmax_avx2(float* x, int64_t rows, int64_t n, float scale) { scaled_softmax_portable(x, rows, n, scale); }

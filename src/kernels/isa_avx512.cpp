@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include "attention_impl.h"
+#include "gemm_impl.h"
 #include "kernels_impl.h"
 
 namespace vlmgen::kernels::raw {
@@ -16,6 +17,8 @@ struct Avx512 {
   static constexpr int64_t kLanes = 16;
   static constexpr int kOutTile = 4;  // 4 x 4 accumulators + 4 inputs + 1 weight of 32 registers
   static constexpr int kRowTile = 4;
+  static constexpr int kGemmOutTile = 6;  // 6 x 4 accumulators + 4 inputs + 1 weight of 32 registers
+  static constexpr int kGemmRowTile = 4;
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float f) { return _mm512_set1_ps(f); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
@@ -159,6 +162,7 @@ struct Avx512 {
 
 void rows_linear_avx512(const RowsLinear& a, int64_t o_begin, int64_t o_end) { rows_linear<Avx512>(a, o_begin, o_end); }
 void attention_avx512(const HeadGroupAttention& a) { attention<Avx512>(a); }
+void gemm_avx512(const RowsLinear& a, int64_t o_begin, int64_t o_end) { gemm<Avx512>(a, o_begin, o_end); }
 void widen_avx512(const WidenArgs& a, int64_t begin, int64_t end) { widen<Avx512>(a, begin, end); }
 void silu_mul_avx512(const float* gate, const float* up, float* y, int64_t n) { silu_mul<Avx512>(gate, up, y, n); }
 void scaled_softmax_avx512(float* x, int64_t rows, int64_t n, float scale) {
@@ -176,6 +180,7 @@ void rows_linear_avx512(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
   rows_linear_portable(a, o_begin, o_end);
 }
 void attention_avx512(const HeadGroupAttention& a) { attention_portable(a); }
+void gemm_avx512(const RowsLinear& a, int64_t o_begin, int64_t o_end) { gemm_portable(a, o_begin, o_end); }
 void widen_avx512(const WidenArgs& a, int64_t begin, int64_t end) { widen_portable(a, begin, end); }
 void silu_mul_avx512(const float* gate, const float* up, float* y, int64_t n) { silu_mul_portable(gate, up, y, n); }
 void scaled_softmax_avx512(float* x, int64_t rows, int64_t n, float scale) {

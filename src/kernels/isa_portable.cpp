@@ -3,6 +3,7 @@
 // compared with.
 
 #include "attention_impl.h"
+#include "gemm_impl.h"
 #include "kernels_impl.h"
 
 namespace vlmgen::kernels::raw {
@@ -15,6 +16,8 @@ struct Portable {
   static constexpr int64_t kLanes = 8;
   static constexpr int kOutTile = 4;
   static constexpr int kRowTile = 2;
+  static constexpr int kGemmOutTile = 4;
+  static constexpr int kGemmRowTile = 2;
   static constexpr bool kWholeLines = false;
   static constexpr bool kLaneSums = false;  // no lane_sums(): decode attention sums key by key
   static V zero() { return V{}; }
@@ -88,6 +91,7 @@ void rows_linear_portable(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
   rows_linear<Portable>(a, o_begin, o_end);
 }
 void attention_portable(const HeadGroupAttention& a) { attention<Portable>(a); }
+void gemm_portable(const RowsLinear& a, int64_t o_begin, int64_t o_end) { gemm<Portable>(a, o_begin, o_end); }
 void widen_portable(const WidenArgs& a, int64_t begin, int64_t end) { widen<Portable>(a, begin, end); }
 void silu_mul_portable(const float* gate, const float* up, float* y, int64_t n) { silu_mul<Portable>(gate, up, y, n); }
 void scaled_softmax_portable(float* x, int64_t rows, int64_t n, float scale) {

@@ -53,6 +53,21 @@ at::Tensor checked_fp8_grid(const at::Tensor& w, const Fp8Scales& fp8);
 void linear_rows(Isa isa, const float* x, int64_t ldx, int64_t rows, const at::Tensor& weight, const float* bias,
                  const at::Tensor& grid, const Fp8Scales& fp8, float* y, int64_t ldy);
 
+/// The kernels' name for a weight's storage, and its FP8 scales on raw pointers (grid from
+/// checked_fp8_grid).
+raw::WeightType weight_type(const at::Tensor& w, const Fp8Scales& fp8);
+raw::Fp8Scales raw_scales(const at::Tensor& grid, const Fp8Scales& fp8);
+/// Rows [first, last) of `weight` as float32 (FP8: times their scales) into dst, on the ATen
+/// threads.
+void widen_rows(Isa isa, const at::Tensor& weight, const Fp8Scales& fp8, const at::Tensor& grid, int64_t first,
+                int64_t last, float* dst);
+
+/// x [..., in] times a weight that passed kernel_fits, for many rows (many_rows.cpp): on the
+/// GEMM tiles of `isa` when `tiles` (16-bit and FP8 weights widened a block of output rows at a
+/// time into a buffer the thread keeps), else through ATen's GEMM on the widened blocks.
+at::Tensor many_rows_linear(Isa isa, bool tiles, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                            const Fp8Scales& fp8);
+
 /// RMSNorm of `rows` rows of d floats: y = x / sqrt(mean(x^2) + eps) * (w + offset); y may be x.
 void rms_norm_rows(const float* x, int64_t rows, int64_t d, const float* w, float eps, float offset, float* y);
 

@@ -92,6 +92,15 @@ void rows_linear_portable(const RowsLinear& a, int64_t o_begin, int64_t o_end);
 void rows_linear_avx2(const RowsLinear& a, int64_t o_begin, int64_t o_end);
 void rows_linear_avx512(const RowsLinear& a, int64_t o_begin, int64_t o_end);
 
+/// Weight bytes per block of outputs that every row tile of gemm passes over: within the L2 of one
+/// core (1 MiB on AMD Zen 4/5, 1.25-2 MiB on Intel since Ice Lake-SP, 256 KiB on older parts).
+constexpr int64_t kGemmBlockBytes = int64_t{256} << 10;
+
+/// Float32 weights only (a.wtype kF32), any row count: gemm_impl.h.
+void gemm_portable(const RowsLinear& a, int64_t o_begin, int64_t o_end);
+void gemm_avx2(const RowsLinear& a, int64_t o_begin, int64_t o_end);
+void gemm_avx512(const RowsLinear& a, int64_t o_begin, int64_t o_end);
+
 void widen_portable(const WidenArgs& a, int64_t begin, int64_t end);
 void widen_avx2(const WidenArgs& a, int64_t begin, int64_t end);
 void widen_avx512(const WidenArgs& a, int64_t begin, int64_t end);

@@ -98,13 +98,21 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   std::vector<at::Tensor> parts;
   for (int64_t c0 = 0; c0 < s; c0 += kAttentionChunk) {
     const int64_t n = std::min(kAttentionChunk, s - c0);
+    // Keys after the chunk's last query column are blocked for all of its queries: left out (a
+    // causal prefill computes about half the scores, and softmaxes half). A query row whose
+    // visible keys are all padding then averages the values of the keys left in, not of all.
+    const int64_t seen = std::clamp<int64_t>(w.window_start + c0 + n - w.key_begin, 1, keys);
     const at::Tensor query_cols = at::arange(w.window_start + c0, w.window_start + c0 + n, long_opts).unsqueeze(1);
-    const at::Tensor blocked = key_cols.le(query_cols).unsqueeze(0).logical_and(w.key_real.unsqueeze(1)).logical_not();
+    const at::Tensor blocked = key_cols.narrow(1, 0, seen)
+                                   .le(query_cols)
+                                   .unsqueeze(0)
+                                   .logical_and(w.key_real.narrow(1, 0, seen).unsqueeze(1))
+                                   .logical_not();
     at::Tensor q4 = q.narrow(2, c0, n).reshape({b, kv_heads, groups * n, head_dim});
-    at::Tensor scores = at::matmul(q4, kt);  // [B, kv, g * n, K]
-    scores.view({b, kv_heads, groups, n, keys}).masked_fill_(blocked.view({b, 1, 1, n, keys}), blocked_score);
-    kernels::scaled_softmax_into(scores, w.scale);                         // masked: lowest * scale, e^-huge = 0
-    parts.push_back(at::matmul(scores, v).view({b, heads, n, head_dim}));  // [B, heads, n, D]
+    at::Tensor scores = at::matmul(q4, kt.narrow(-1, 0, seen));  // [B, kv, g * n, seen]
+    scores.view({b, kv_heads, groups, n, seen}).masked_fill_(blocked.view({b, 1, 1, n, seen}), blocked_score);
+    kernels::scaled_softmax_into(scores, w.scale);  // masked: lowest * scale, e^-huge = 0
+    parts.push_back(at::matmul(scores, v.narrow(2, 0, seen)).view({b, heads, n, head_dim}));  // [B, heads, n, D]
   }
   return parts.size() == 1 ? parts[0] : at::cat(parts, 2);
 }

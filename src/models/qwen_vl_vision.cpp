@@ -188,7 +188,7 @@ at::Tensor QwenVl::run_vision_tower(const VisionInputs& vision) {
 
   // Conv3d with kernel == stride over a patch that is already one kernel's worth of pixels is a
   // matmul with the flattened kernel ([C, tp, p, p] is the row layout the processor uses).
-  at::Tensor x = at::matmul(vision.pixel_values.to(dev, at::kFloat), vision_.patch_embed.reshape({e, patch_dim}).t());
+  at::Tensor x = kernels::linear(vision.pixel_values.to(dev, at::kFloat), vision_.patch_embed.reshape({e, patch_dim}));
   if (vision_.patch_embed_bias.defined()) x = x + vision_.patch_embed_bias;
   if (vision_.position_table.defined()) x = x + interpolated_positions(vision_.position_table, grids, merge);
   const int64_t n = x.size(0);

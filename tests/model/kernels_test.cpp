@@ -54,14 +54,44 @@ TEST(CpuKernels, LinearMatchesFloat64OnEveryPathWeightTypeAndRowCount) {
   }
 }
 
-TEST(CpuKernels, LinearKeepsLeadingDimsAndRoutesManyRowsToAten) {
+TEST(CpuKernels, LinearKeepsLeadingDimsForFewAndManyRows) {
   at::manual_seed(4);
   at::Tensor weight = at::randn({24, 40}).to(at::kBFloat16);
-  for (int64_t s : {1, 5, 40}) {  // 2 * s rows: kernel for the first two, ATen for 80 rows
+  for (int64_t s : {1, 5, 40}) {  // 2 * s rows: decode kernel for the first two, GEMM for 80 rows
     at::Tensor x = at::randn({2, s, 40});
     at::Tensor y = kernels::linear(x, weight);
     ASSERT_EQ(y.sizes(), (std::vector<int64_t>{2, s, 24}));
     EXPECT_TRUE(at::allclose(y, at::linear(x, weight.to(at::kFloat)), 1e-4, 1e-5));
+  }
+}
+
+TEST(CpuKernels, ManyRowProductsMatchFloat64AndARowsResultDoesNotDependOnTheOtherRows) {
+  // The GEMM tiles (more rows than the decode kernels take): widths with and without a vector
+  // tail, outputs that leave partial tiles, 300-wide rows whose outputs span three blocks of
+  // kGemmBlockBytes, row counts that leave each partial row tile; input rows with a stride.
+  at::manual_seed(12);
+  for (auto [out, in] : std::vector<std::pair<int64_t, int64_t>>{{13, 37}, {101, 768}, {500, 300}, {7, 16}}) {
+    const at::Tensor weight = at::randn({out, in});
+    const at::Tensor wide = weight.to(at::kDouble);
+    const at::Tensor bias = at::randn({out});
+    for (int64_t rows : {17, 30, 66, 203}) {
+      const at::Tensor x = at::randn({rows, in + 5}).narrow(1, 2, in);
+      const at::Tensor want = at::linear(x.to(at::kDouble), wide, bias.to(at::kDouble));
+      const at::Tensor term_scale = at::matmul(x.abs().to(at::kDouble), wide.abs().t()) + bias.abs().to(at::kDouble);
+      for (Isa isa : kernels::supported_isas()) {
+        SCOPED_TRACE(testing::Message() << kernels::isa_name(isa) << " rows " << rows << " [" << out << ", " << in
+                                        << "]");
+        const at::Tensor got = kernels::linear_on(isa, x, weight, bias);
+        EXPECT_LT(relative_error(got, want, term_scale), 4e-6 * std::sqrt(static_cast<double>(in)));
+        // The same rows one place later in the call (other tile slots, other partial tiles): the
+        // same bits. A request's prefill gives what it gives alone, whatever it is batched with.
+        const at::Tensor shifted = kernels::linear_on(isa, at::cat({at::randn({1, in}), x}), weight, bias);
+        EXPECT_TRUE(at::equal(shifted.narrow(0, 1, rows), got));
+        if (isa == kernels::active_isa() && isa != Isa::kPortable && kernels::enabled()) {
+          EXPECT_TRUE(at::equal(kernels::linear(x, weight, bias), got));
+        }
+      }
+    }
   }
 }
 
@@ -144,7 +174,8 @@ TEST(CpuKernels, Fp8LinearAndWideningMatchTheFormatDefinitionOnEveryPathAndScale
 
 TEST(CpuKernels, ManyRowsWiden16BitAndFp8WeightsInBlocksThatCoverTheWholeMatrix) {
   // 4100 x 300 weights: 3495 output rows per widened block of 2^20 floats, so a full block and
-  // a partial one; 80 rows go to ATen's GEMM, each block into its own columns of the output.
+  // a partial one; 80 rows go to the GEMM tiles (ATen's GEMM on the portable path), each block
+  // into its own columns of the output.
   at::manual_seed(9);
   const int64_t out = 4100, in = 300, rows = 80;
   const at::Tensor x = at::randn({2, rows / 2, in});

@@ -13,8 +13,9 @@
 //
 //   at::Tensor y = vlmgen::kernels::linear(x, weight, bias);   // like at::linear, any row count
 //
-// Rows above kernels::kMaxFastRows, other devices and other dtypes go to ATen (a 16-bit weight
-// is widened for that product only).
+// More rows (a prefill's, the vision tower's) run on GEMM tiles of the same paths (AVX2, AVX-512;
+// a 16-bit or FP8 weight widened a block at a time); on the portable path, other devices and
+// other dtypes they go to ATen. Each row's result is the same whatever other rows it comes with.
 
 #include <ATen/ATen.h>
 
@@ -48,8 +49,9 @@ struct Fp8Scales {
   bool defined() const { return grid.defined(); }
 };
 
-/// Products with at most this many rows run on the kernels (float32 weights; 16-bit and FP8
-/// weights up to kMaxFastRowsNarrow); more go to ATen's GEMM. Calls that autograd would record
+/// Products with at most this many rows run on the decode kernels, which read each weight once
+/// for all rows (float32 weights; 16-bit and FP8 weights up to kMaxFastRowsNarrow); more run on
+/// the GEMM tiles (AVX2, AVX-512) or ATen's GEMM (portable). Calls that autograd would record
 /// (GradMode on and an input requiring grad) always go to ATen.
 constexpr int64_t kMaxFastRows = 16;
 constexpr int64_t kMaxFastRowsNarrow = 64;
@@ -61,11 +63,13 @@ constexpr int64_t max_fast_rows(at::ScalarType weight_dtype) {
 
 /// x [..., in] (float32) times weight [out, in] (float32, bfloat16 or float16, contiguous; or FP8
 /// bytes with `fp8` scales) transposed, plus bias [out] (float32) when defined: [..., out],
-/// float32. The CPU kernels for up to kMaxFastRows rows when enabled(), ATen's GEMM on the
-/// weights widened to float32 otherwise. On other devices a 16-bit weight computes in its dtype.
+/// float32. When enabled(): the decode kernels for up to max_fast_rows rows, the GEMM tiles for
+/// more (ATen's GEMM on the portable path, on the weights widened to float32); with the kernels
+/// off, ATen. On other devices a 16-bit weight computes in its dtype.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {},
                   const Fp8Scales& fp8 = {});
-/// The same on a given path (tests compare the paths); every row count runs on the kernel.
+/// The same on a given path (tests compare the paths); every row count runs on the kernels (the
+/// GEMM tiles above max_fast_rows, the portable path's too).
 at::Tensor linear_on(Isa isa, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {},
                      const Fp8Scales& fp8 = {});
 

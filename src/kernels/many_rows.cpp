@@ -1,0 +1,77 @@
+// Products of more rows than the decode kernels take (a prefill's, the vision tower's): the GEMM
+// tiles of gemm_impl.h on AVX2 and AVX-512, ATen's GEMM on the portable path and with the
+// kernels off.
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels_internal.h"
+
+namespace vlmgen::kernels::internal {
+namespace {
+
+void run_gemm(Isa isa, const raw::RowsLinear& a, int64_t begin, int64_t end) {
+  switch (isa) {
+    case Isa::kAvx512: return raw::gemm_avx512(a, begin, end);
+    case Isa::kAvx2: return raw::gemm_avx2(a, begin, end);
+    case Isa::kPortable: return raw::gemm_portable(a, begin, end);
+  }
+}
+
+/// y[r * ldy + o] = x[r, :] . w[o, :] (+ bias[o]) for rows x [rows, in] and a float32 weight
+/// w [n, in], on the ATen threads: each takes whole blocks of outputs (kGemmBlockBytes of weights).
+void gemm_rows(Isa isa, const float* x, int64_t rows, int64_t in, const float* w, int64_t n, const float* bias,
+               float* y, int64_t ldy) {
+  const raw::RowsLinear a{x, in, rows, w, raw::WeightType::kF32, in, bias, y, ldy, n, {}};
+  const int64_t grain = std::max<int64_t>(8, raw::kGemmBlockBytes / std::max<int64_t>(1, in * 4));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) { run_gemm(isa, a, begin, end); });
+}
+
+/// Float32 weights per widened block: 4 MiB.
+constexpr int64_t kWidenBlockFloats = int64_t{1} << 20;
+
+}  // namespace
+
+/// A 16-bit or FP8 weight is widened a block of output rows at a time into one buffer that each
+/// thread keeps: a prefill allocates no float32 copy of each matrix per call (those
+/// multi-megabyte allocations are what moves glibc's mmap threshold and slows later decoding).
+at::Tensor many_rows_linear(Isa isa, bool tiles, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                            const Fp8Scales& fp8) {
+  const at::Tensor grid = checked_fp8_grid(weight, fp8);
+  const int64_t out_features = weight.size(0), in = weight.size(1);
+  const int64_t rows = in == 0 ? 0 : x.numel() / in;
+  const at::Tensor flat = x.reshape({rows, in}).contiguous();
+  const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
+  const float* bias_data = tiles && b.defined() ? b.data_ptr<float>() : nullptr;  // else added after
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  if (rows > 0 && out_features > 0) {
+    if (tiles && weight.scalar_type() == at::kFloat && !fp8.defined()) {
+      gemm_rows(isa, flat.data_ptr<float>(), rows, in, weight.data_ptr<float>(), out_features, bias_data,
+                y.data_ptr<float>(), out_features);
+    } else {
+      const int64_t block = std::max<int64_t>(1, kWidenBlockFloats / std::max<int64_t>(1, in));
+      thread_local std::vector<float> buffer;
+      buffer.resize(static_cast<size_t>(std::max<int64_t>(buffer.size(), std::min(block, out_features) * in)));
+      for (int64_t first = 0; first < out_features; first += block) {
+        const int64_t n = std::min(block, out_features - first);
+        widen_rows(isa, weight, fp8, grid, first, first + n, buffer.data());
+        if (tiles) {
+          gemm_rows(isa, flat.data_ptr<float>(), rows, in, buffer.data(), n,
+                    bias_data == nullptr ? nullptr : bias_data + first, y.data_ptr<float>() + first, out_features);
+        } else {
+          const at::Tensor w = at::from_blob(buffer.data(), {n, in}, at::TensorOptions().dtype(at::kFloat));
+          at::Tensor part = y.narrow(1, first, n);
+          at::mm_out(part, flat, w.t());
+        }
+      }
+    }
+  }
+  if (!tiles && b.defined()) y.add_(b);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = out_features;
+  return y.view(shape);
+}
+
+}  // namespace vlmgen::kernels::internal
