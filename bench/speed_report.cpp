@@ -38,7 +38,7 @@ namespace {
 
 /// VmRSS (current) and VmHWM (peak) of this process, in MB of 10^6 bytes like the weights' sizes
 /// (the kernel's "kB" are KiB; until stop 41 these were MiB, which made the ratios to the weights
-/// 4.9% too small).
+/// 4.6% too small).
 std::pair<double, double> rss_mb() {
   std::ifstream in("/proc/self/status");
   std::string key;

@@ -146,11 +146,12 @@ raw::Fp8Scales internal::raw_scales(const at::Tensor& grid, const Fp8Scales& fp8
   return r;
 }
 
-namespace {
 using internal::raw_scales;
+using internal::run_rows_linear;
+using internal::run_widen;
 using internal::weight_type;
 
-void run_rows_linear(Isa isa, const raw::RowsLinear& a, int64_t begin, int64_t end) {
+void internal::run_rows_linear(Isa isa, const raw::RowsLinear& a, int64_t begin, int64_t end) {
   switch (isa) {
     case Isa::kAvx512: return raw::rows_linear_avx512(a, begin, end);
     case Isa::kAvx2: return raw::rows_linear_avx2(a, begin, end);
@@ -158,15 +159,13 @@ void run_rows_linear(Isa isa, const raw::RowsLinear& a, int64_t begin, int64_t e
   }
 }
 
-void run_widen(Isa isa, const raw::WidenArgs& a, int64_t begin, int64_t end) {
+void internal::run_widen(Isa isa, const raw::WidenArgs& a, int64_t begin, int64_t end) {
   switch (isa) {
     case Isa::kAvx512: return raw::widen_avx512(a, begin, end);
     case Isa::kAvx2: return raw::widen_avx2(a, begin, end);
     case Isa::kPortable: return raw::widen_portable(a, begin, end);
   }
 }
-
-}  // namespace
 
 void internal::widen_rows(Isa isa, const at::Tensor& weight, const Fp8Scales& fp8, const at::Tensor& grid,
                           int64_t first, int64_t last, float* dst) {
@@ -205,6 +204,8 @@ void internal::linear_rows(Isa isa, const float* x, int64_t ldx, int64_t rows, c
   if (rows <= 0 || out_features <= 0) return;
   const raw::RowsLinear a{x,    ldx, rows, weight.data_ptr(), weight_type(weight, fp8), in,
                           bias, y,   ldy,  out_features,      raw_scales(grid, fp8)};
+  if (fp8.defined() && rows >= internal::kFp8WidenedRows && in > 0)
+    return internal::fp8_rows_widened(isa, a, weight, grid, fp8);
   // About 64 KiB of weights per task, in whole output tiles of 4.
   const int64_t row_bytes = std::max<int64_t>(1, in * static_cast<int64_t>(weight.element_size()));
   const int64_t grain = std::max<int64_t>(4, (65536 / row_bytes + 3) / 4 * 4);
@@ -246,6 +247,26 @@ bool enabled() {
   return on;
 }
 
+namespace {
+
+/// x [..., in] against weight [out, in] and bias [out] or none: a vlmgen::Error naming them
+/// otherwise, before any work.
+void check_linear_shapes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  const int64_t in = weight.size(1), out_features = weight.size(0);
+  VLMGEN_CHECK(x.dim() >= 1 && x.size(-1) == in, "kernels::linear: input {} does not end in the weight's {} columns",
+               detail::shape_str(x), in);
+  VLMGEN_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == out_features),
+               "kernels::linear: bias {} must be [{}]", detail::shape_str(bias), out_features);
+}
+
+}  // namespace
+
+int64_t internal::leading_rows(const at::Tensor& x) {
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
+  return rows;
+}
+
 at::Tensor linear_on(Isa isa, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                      const Fp8Scales& fp8) {
   VLMGEN_CHECK(cpu_has(isa), "kernels::linear: this CPU cannot run the {} path", isa_name(isa));
@@ -257,13 +278,10 @@ at::Tensor linear_on(Isa isa, const at::Tensor& x, const at::Tensor& weight, con
                "bytes with their scales) and a float32 bias on the CPU, got input {} {}, weight {} {}{}",
                at::toString(x.scalar_type()), detail::shape_str(x), at::toString(weight.scalar_type()),
                detail::shape_str(weight), fp8.defined() ? " with FP8 scales" : "");
+  check_linear_shapes(x, weight, bias);
   const int64_t in = weight.size(1);
   const int64_t out_features = weight.size(0);
-  VLMGEN_CHECK(x.dim() >= 1 && x.size(-1) == in, "kernels::linear: input {} does not end in the weight's {} columns",
-               detail::shape_str(x), in);
-  VLMGEN_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == out_features),
-               "kernels::linear: bias {} must be [{}]", detail::shape_str(bias), out_features);
-  const int64_t rows = in == 0 ? 0 : x.numel() / in;
+  const int64_t rows = internal::leading_rows(x);
   if (rows > max_fast_rows(weight.scalar_type())) return internal::many_rows_linear(isa, true, x, weight, bias, fp8);
   const at::Tensor grid = checked_fp8_grid(weight, fp8);
   const at::Tensor flat = x.reshape({rows, in}).contiguous();
@@ -278,8 +296,8 @@ at::Tensor linear_on(Isa isa, const at::Tensor& x, const at::Tensor& weight, con
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const Fp8Scales& fp8) {
   VLMGEN_CHECK(x.dim() >= 1, "kernels::linear: the input must have a feature dimension, got {}", detail::shape_str(x));
-  const int64_t in = x.size(-1);
-  const int64_t rows = in == 0 ? 0 : x.numel() / in;
+  if (weight.dim() == 2) check_linear_shapes(x, weight, bias);  // every path, before any work
+  const int64_t rows = internal::leading_rows(x);
   const bool fits = kernel_fits(x, weight, bias, fp8) && !needs_grad({&x, &weight, &bias});
   // 16-bit and FP8 weights stay on the kernel for more rows: widening them costs a pass over the
   // matrix, which a few more rows of kernel work pays for.

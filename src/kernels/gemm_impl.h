@@ -8,17 +8,18 @@
 // and the outputs are taken in blocks whose weight rows stay in the core's L2 cache while every
 // row tile passes over them. Each output is the same function of its row and weight row wherever
 // it falls: vector partial sums along `in` in order, their sum (Vec::sum), the scalar tail, the
-// bias. So a row's result does not depend on the other rows of the call (batch-invariant), nor on
-// the thread that computed it.
+// bias. So a row's result does not depend on the other rows of the call, nor on the thread that
+// computed it (kernels::linear sends calls of few rows to the decode kernels instead, which round
+// differently).
 //
 // Included only by the instruction-set files (see raw_kernels.h).
 
-#include <algorithm>
-#include <cstdint>
+#include <stdint.h>
 
 #include "raw_kernels.h"
 
 namespace vlmgen::kernels::raw {
+namespace {  // each instruction-set file has its own copy (see kernels_impl.h)
 
 /// Outputs [o, o + OT) of rows [r, r + RT) (a.wtype is kF32).
 template <class Vec, int OT, int RT>
@@ -63,10 +64,13 @@ template <class Vec>
 void gemm(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
   constexpr int OT = Vec::kGemmOutTile, RT = Vec::kGemmRowTile;
   static_assert(RT >= 1 && RT <= 4, "row tiles of 1 to 4 rows");
-  const int64_t row_bytes = std::max<int64_t>(1, a.in * static_cast<int64_t>(sizeof(float)));
-  const int64_t block = std::max<int64_t>(OT, kGemmBlockBytes / row_bytes / OT * OT);
+  // No std::min / std::max here: inline functions of other headers must not be compiled with
+  // this file's instructions (see raw_kernels.h).
+  const int64_t row_bytes = a.in > 0 ? a.in * static_cast<int64_t>(sizeof(float)) : 1;
+  const int64_t fitting = kGemmBlockBytes / row_bytes / OT * OT;
+  const int64_t block = fitting > OT ? fitting : OT;
   for (int64_t first = o_begin; first < o_end; first += block) {
-    const int64_t last = std::min(o_end, first + block);
+    const int64_t last = first + block < o_end ? first + block : o_end;
     int64_t r = 0;
     for (; r + RT <= a.rows; r += RT) gemm_outputs<Vec, RT>(a, first, last, r);
     switch (a.rows - r) {
@@ -84,4 +88,5 @@ void gemm(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
   }
 }
 
+}  // namespace
 }  // namespace vlmgen::kernels::raw

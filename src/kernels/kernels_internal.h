@@ -53,6 +53,9 @@ at::Tensor checked_fp8_grid(const at::Tensor& w, const Fp8Scales& fp8);
 void linear_rows(Isa isa, const float* x, int64_t ldx, int64_t rows, const at::Tensor& weight, const float* bias,
                  const at::Tensor& grid, const Fp8Scales& fp8, float* y, int64_t ldy);
 
+/// The rows of x [..., in]: the product of its leading sizes (x.dim() >= 1; also when in is 0).
+int64_t leading_rows(const at::Tensor& x);
+
 /// The kernels' name for a weight's storage, and its FP8 scales on raw pointers (grid from
 /// checked_fp8_grid).
 raw::WeightType weight_type(const at::Tensor& w, const Fp8Scales& fp8);
@@ -62,7 +65,19 @@ raw::Fp8Scales raw_scales(const at::Tensor& grid, const Fp8Scales& fp8);
 void widen_rows(Isa isa, const at::Tensor& weight, const Fp8Scales& fp8, const at::Tensor& grid, int64_t first,
                 int64_t last, float* dst);
 
-/// x [..., in] times a weight that passed kernel_fits, for many rows (many_rows.cpp): on the
+/// The kernels of one path on raw pointers: outputs [begin, end) of a; elements (16-bit) or rows
+/// (FP8) [begin, end) of a widened weight.
+void run_rows_linear(Isa isa, const raw::RowsLinear& a, int64_t begin, int64_t end);
+void run_widen(Isa isa, const raw::WidenArgs& a, int64_t begin, int64_t end);
+
+/// linear_rows widens FP8 weights for this many rows or more once per call (many_rows.cpp).
+constexpr int64_t kFp8WidenedRows = 24;
+/// a (FP8 weights, their scales `grid`) computed over the weights widened a chunk of outputs at a
+/// time into a buffer each thread keeps, on the ATen threads.
+void fp8_rows_widened(Isa isa, const raw::RowsLinear& a, const at::Tensor& weight, const at::Tensor& grid,
+                      const Fp8Scales& fp8);
+
+/// x [..., in] times a weight that passed kernel_fits and the shape checks, for many rows (many_rows.cpp): on the
 /// GEMM tiles of `isa` when `tiles` (16-bit and FP8 weights widened a block of output rows at a
 /// time into a buffer the thread keeps), else through ATen's GEMM on the widened blocks.
 at::Tensor many_rows_linear(Isa isa, bool tiles, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,

@@ -2,8 +2,8 @@
 
 // The kernels on raw pointers, one set per instruction set. The files that define them are
 // compiled with their instruction set enabled and include nothing but this header, the
-// intrinsics, kernels_impl.h and attention_impl.h, so no inline function of another library is ever compiled there
-// with instructions the running CPU may lack.
+// intrinsics, kernels_impl.h, attention_impl.h and gemm_impl.h, so no inline function of another library is ever
+// compiled there with instructions the running CPU may lack.
 
 #include <cstdint>
 

@@ -63,6 +63,27 @@ TEST(CpuKernels, LinearKeepsLeadingDimsForFewAndManyRows) {
     ASSERT_EQ(y.sizes(), (std::vector<int64_t>{2, s, 24}));
     EXPECT_TRUE(at::allclose(y, at::linear(x, weight.to(at::kFloat)), 1e-4, 1e-5));
   }
+  // Rows of no features: each output is its bias, few rows or many, on every path.
+  const at::Tensor bias = at::randn({24});
+  for (int64_t rows : {3, 40}) {
+    const at::Tensor empty = at::zeros({2, rows, 0});
+    EXPECT_TRUE(at::equal(kernels::linear(empty, at::zeros({24, 0}), bias), bias.expand({2, rows, 24})));
+    for (Isa isa : kernels::supported_isas())
+      EXPECT_TRUE(at::equal(kernels::linear_on(isa, empty, at::zeros({24, 0}), bias), bias.expand({2, rows, 24})));
+  }
+}
+
+TEST(CpuKernels, ManyRowsWithTheWrongWidthOrBiasAreRefusedBeforeAnyWork) {
+  // 40 rows: past the decode kernels, for float32, 16-bit and FP8 weights alike.
+  const at::Tensor x = at::randn({40, 64});
+  for (at::ScalarType wt : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor weight = at::randn({24, 64}).to(wt);
+    EXPECT_THROW(kernels::linear(x, at::randn({24, 60}).to(wt)), Error);  // width
+    EXPECT_THROW(kernels::linear(x, weight, at::randn({20})), Error);     // bias too short
+    EXPECT_THROW(kernels::linear(x, weight, at::randn({})), Error);       // bias 0-d
+    EXPECT_THROW(kernels::linear(at::randn({80, 64}), weight, at::randn({25})), Error);
+    EXPECT_EQ(kernels::linear(x, weight).sizes(), (std::vector<int64_t>{40, 24}));  // and it still works
+  }
 }
 
 TEST(CpuKernels, ManyRowProductsMatchFloat64AndARowsResultDoesNotDependOnTheOtherRows) {
@@ -160,7 +181,7 @@ TEST(CpuKernels, Fp8LinearAndWideningMatchTheFormatDefinitionOnEveryPathAndScale
                                         << c.out << ", " << c.in << "] blocks " << c.block_out << " x " << c.block_in);
         // Widening is exact: the byte's value times its scale, one rounding.
         EXPECT_TRUE(at::equal(kernels::widen_on(isa, bytes, q), w.to(at::kFloat)));
-        for (int64_t rows : {1, 3, 16}) {
+        for (int64_t rows : {1, 3, 16, 30, 70}) {  // 30: widened once per call; 70: the GEMM tiles
           at::Tensor x = at::randn({rows, c.in});
           at::Tensor want = at::matmul(x.to(at::kDouble), w.t());
           at::Tensor term_scale = at::matmul(x.abs().to(at::kDouble), w.abs().t());

@@ -15,7 +15,9 @@
 //
 // More rows (a prefill's, the vision tower's) run on GEMM tiles of the same paths (AVX2, AVX-512;
 // a 16-bit or FP8 weight widened a block at a time); on the portable path, other devices and
-// other dtypes they go to ATen. Each row's result is the same whatever other rows it comes with.
+// other dtypes they go to ATen. Among calls of more than max_fast_rows rows on one path, a row's
+// result is the same whatever other rows it comes with (the path a call takes depends on its row
+// count, and the decode kernels and the tiles round differently).
 
 #include <ATen/ATen.h>
 
