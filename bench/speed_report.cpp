@@ -182,9 +182,12 @@ int run_memory_report(const std::string& dtype, const std::string& checkpoint) {
 }
 
 int run_speed_report(int rounds, const std::string& json_path) {
-  fmt::print("vlmgen-bench --speed: 100M Qwen2-VL LM, {} thread(s) (ATen and OpenBLAS), kernels: {} (supported: {})\n",
-             at::get_num_threads(), kernels_enabled() ? kernels::isa_name(kernels::active_isa()) : "off (ATen)",
-             fmt::join(supported_isa_names(), ", "));
+  fmt::print(
+      "vlmgen-bench --speed: 100M Qwen2-VL LM, {} thread(s) (ATen and OpenBLAS), kernels: {} (supported: {}), few-row "
+      "products {}\n",
+      at::get_num_threads(), kernels_enabled() ? kernels::isa_name(kernels::active_isa()) : "off (ATen)",
+      fmt::join(supported_isa_names(), ", "),
+      kernels::streams_weight_rows() ? "stream weight rows" : "read tiles of weight rows");
   const double bandwidth = read_bandwidth_gbs();
   const auto [rss_before, hwm_before] = rss_mb();
   std::map<std::string, std::unique_ptr<QwenVl>> models;

@@ -8,6 +8,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -49,6 +50,21 @@ bool cpu_reports(Isa isa) {
 #else
   return isa == Isa::kPortable;
 #endif
+}
+
+/// An AMD CPU: CPUID leaf 0's vendor "AuthenticAMD" (EBX, EDX, ECX).
+bool amd_cpu() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(0, &eax, &ebx, &ecx, &edx) != 0 && ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u;
+#else
+  return false;
+#endif
+}
+
+std::atomic<bool>& streams_rows_setting() {
+  static std::atomic<bool> on{amd_cpu()};
+  return on;
 }
 
 }  // namespace
@@ -203,7 +219,7 @@ void internal::linear_rows(Isa isa, const float* x, int64_t ldx, int64_t rows, c
   const int64_t out_features = weight.size(0), in = weight.size(1);
   if (rows <= 0 || out_features <= 0) return;
   const raw::RowsLinear a{x,    ldx, rows, weight.data_ptr(), weight_type(weight, fp8), in,
-                          bias, y,   ldy,  out_features,      raw_scales(grid, fp8)};
+                          bias, y,   ldy,  out_features,      raw_scales(grid, fp8),    streams_weight_rows()};
   if (fp8.defined() && rows >= internal::kFp8WidenedRows && in > 0)
     return internal::fp8_rows_widened(isa, a, weight, grid, fp8);
   // About 64 KiB of weights per task, in whole output tiles of 4.
@@ -220,6 +236,10 @@ using internal::checked_fp8_grid;
 using internal::kernel_fits;
 using internal::run_attention;
 using internal::widen_rows;
+
+bool streams_weight_rows() { return streams_rows_setting().load(std::memory_order_relaxed); }
+
+void set_streams_weight_rows(bool on) { streams_rows_setting().store(on, std::memory_order_relaxed); }
 
 const char* isa_name(Isa isa) {
   switch (isa) {

@@ -18,6 +18,9 @@ struct Avx2 {
   static constexpr int kRowTile = 2;
   static constexpr int kGemmOutTile = 3;  // 3 x 3 accumulators + 3 inputs + 1 weight of 16 registers
   static constexpr int kGemmRowTile = 3;
+  // Products of up to this many rows read the weights one row after another (streams_rows).
+  template <WeightType T>
+  static constexpr int64_t kStreamRows = T == WeightType::kF32 ? 2 : 0;
   static constexpr bool kWholeLines = false;
   static constexpr bool kLaneSums = false;  // no lane_sums(): decode attention sums key by key
   static V zero() { return _mm256_setzero_ps(); }

@@ -19,6 +19,10 @@ struct Avx512 {
   static constexpr int kRowTile = 4;
   static constexpr int kGemmOutTile = 6;  // 6 x 4 accumulators + 4 inputs + 1 weight of 32 registers
   static constexpr int kGemmRowTile = 4;
+  // Products of up to this many rows read the weights one row after another (streams_rows).
+  template <WeightType T>
+  static constexpr int64_t kStreamRows =
+      T == WeightType::kF32 || T == WeightType::kBF16 || T == WeightType::kF16 ? 3 : 0;
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float f) { return _mm512_set1_ps(f); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }

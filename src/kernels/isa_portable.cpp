@@ -18,6 +18,8 @@ struct Portable {
   static constexpr int kRowTile = 2;
   static constexpr int kGemmOutTile = 4;
   static constexpr int kGemmRowTile = 2;
+  template <WeightType T>
+  static constexpr int64_t kStreamRows = 0;  // tiles of kOutTile outputs always
   static constexpr bool kWholeLines = false;
   static constexpr bool kLaneSums = false;  // no lane_sums(): decode attention sums key by key
   static V zero() { return V{}; }

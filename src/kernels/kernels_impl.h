@@ -10,7 +10,7 @@
 //   kWholeLines and, where it is true, load_line<T>(p, parts) (a 64-byte line of bfloat16 or FP8
 //   weights widened to kLineParts<T> vectors in an order of its own) and split_inputs<T>(p, parts)
 //   (as many floats split into the same order); kLaneSums and, where it is true, lane_sums(acc)
-//   (lane j: sum(acc[j]) for kLanes vectors, the same bits).
+//   (lane j: sum(acc[j]) for kLanes vectors, the same bits); kStreamRows<T> (see streams_rows).
 // Included only by those files (see raw_kernels.h); it uses no inline function of another
 // header (a copy compiled with wider instructions could be picked by the linker for every caller).
 
@@ -282,6 +282,24 @@ void tile_loops(const RowsLinear& a, int64_t o, int64_t r, int64_t begin, int64_
   }
 }
 
+/// Whether a product reads its weights one row after another: one output a tile and no software
+/// prefetch, where the CPU asks for it (RowsLinear::one_stream) and the rows are few enough for the
+/// path and weight type (Vec::kStreamRows<T>). Each output's sum keeps its order (a tile of one
+/// output adds the same terms in the same order as a wider one), so the bits do not change, only
+/// the order in which the weight rows are read. On the AMD EPYC of stop 42 (Zen 4 class, one
+/// thread) tiles of 4 outputs read 4 rows side by side and its hardware prefetcher followed them
+/// badly (each 1.5-4 KiB row a stream); one stream at a time it reads at the machine's read
+/// bandwidth, and the software prefetch only got in its way. The 85 products of the bench's 100M
+/// model, 1 row, medians of 15 interleaved runs: AVX-512 f32 14.4 -> 12.5 ms, bf16 8.7 -> 6.9,
+/// f16 9.0 -> 6.8; 2 rows 7-19% faster, 3 rows 7-11%, 4 rows: bf16 and f16 26% and 12% slower (the
+/// tile's reuse of each weight vector pays from there); AVX2 f32 1 and 2 rows 16% and 9% faster,
+/// its 16-bit weights and FP8 on either path slower (their one-output tiles wait on the latency of
+/// the chain of FMAs into a single accumulator: FP8 4.8 -> 6.7 ms).
+template <class Vec, WeightType T>
+bool streams_rows(const RowsLinear& a) {
+  return a.one_stream && a.rows <= Vec::template kStreamRows<T>;
+}
+
 /// Outputs [o, o + OT) of rows [r, r + RT): each weight vector is loaded once for the RT rows.
 /// `prepared`: the rows' whole lines from prepare_inputs, or null.
 template <class Vec, WeightType T, int OT, int RT>
@@ -311,7 +329,8 @@ void linear_tile(const RowsLinear& a, int64_t o, int64_t r, const float* prepare
   if constexpr (kLines)
     if (mode == ScaleMode::kNone || mode == ScaleMode::kAtEnd || a.fp8.block_in % line == 0) begin = in - in % line;
   const int64_t row_bytes = in * static_cast<int64_t>(sizeof(WeightElement<T>));
-  TilePrefetch prefetch(a, a.w, o, OT, row_bytes, r, Vec::kRowTile, begin / line + (vector_end - begin) / L);
+  const int64_t steps = streams_rows<Vec, T>(a) ? 0 : begin / line + (vector_end - begin) / L;  // 0: no prefetch
+  TilePrefetch prefetch(a, a.w, o, OT, row_bytes, r, Vec::kRowTile, steps);
   if (prefetch.per_step != 0)
     tile_loops<Vec, T, OT, RT, true>(a, o, r, begin, vector_end, mode, prepared, acc, prefetch);
   else
@@ -420,6 +439,11 @@ const float* prepare_inputs(const RowsLinear& a, int64_t o) {
 
 template <class Vec, WeightType T>
 void rows_linear_typed(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
+  if (streams_rows<Vec, T>(a)) {
+    const float* prepared = prepares_inputs<Vec, T>(a) ? prepare_inputs<Vec, T>(a, o_begin) : nullptr;
+    for (int64_t o = o_begin; o < o_end; ++o) linear_outputs<Vec, T, 1>(a, o, prepared);
+    return;
+  }
   constexpr int OT = Vec::kOutTile;
   const bool prepare = prepares_inputs<Vec, T>(a);
   // Runs of outputs that share prepared inputs: an FP8 row block each, or the whole range.

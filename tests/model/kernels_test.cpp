@@ -54,6 +54,54 @@ TEST(CpuKernels, LinearMatchesFloat64OnEveryPathWeightTypeAndRowCount) {
   }
 }
 
+/// Sets kernels::streams_weight_rows for a scope and puts the previous setting back.
+class StreamsWeightRows {
+ public:
+  explicit StreamsWeightRows(bool on) : before_(kernels::streams_weight_rows()) {
+    kernels::set_streams_weight_rows(on);
+  }
+  ~StreamsWeightRows() { kernels::set_streams_weight_rows(before_); }
+  StreamsWeightRows(const StreamsWeightRows&) = delete;
+  StreamsWeightRows& operator=(const StreamsWeightRows&) = delete;
+
+ private:
+  bool before_;
+};
+
+TEST(CpuKernels, FewRowProductsGiveTheSameBitsWhetherTheyStreamWeightRowsAndWhateverElseIsInTheCall) {
+  // Reading the weight rows one after another (the default on AMD CPUs) or in tiles of several
+  // rows: each output sums its terms in one order, so the bits are the same, and a row's result
+  // does not depend on the other rows of the call (a request decoded alone or in a batch).
+  at::manual_seed(13);
+  for (auto [out, in] : std::vector<std::pair<int64_t, int64_t>>{{9, 87}, {130, 768}, {70, 2048}}) {
+    for (at::ScalarType wt : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      const at::Tensor weight = at::randn({out, in}).to(wt);
+      const at::Tensor wide = weight.to(at::kDouble);
+      const at::Tensor bias = at::randn({out});
+      for (int64_t rows : {1, 2, 3, 4, 5, 16}) {
+        const at::Tensor x = at::randn({rows, in});
+        const at::Tensor want = at::linear(x.to(at::kDouble), wide, bias.to(at::kDouble));
+        const at::Tensor term_scale = at::matmul(x.abs().to(at::kDouble), wide.abs().t()) + bias.abs().to(at::kDouble);
+        for (Isa isa : kernels::supported_isas()) {
+          SCOPED_TRACE(testing::Message() << kernels::isa_name(isa) << " " << at::toString(wt) << " rows " << rows
+                                          << " [" << out << ", " << in << "]");
+          at::Tensor tiles, streamed;
+          {
+            StreamsWeightRows setting(false);
+            tiles = kernels::linear_on(isa, x, weight, bias);
+          }
+          StreamsWeightRows setting(true);
+          streamed = kernels::linear_on(isa, x, weight, bias);
+          EXPECT_LT(relative_error(streamed, want, term_scale), 4e-6 * std::sqrt(static_cast<double>(in)));
+          EXPECT_TRUE(at::equal(streamed, tiles)) << "max |diff| " << (streamed - tiles).abs().max().item<double>();
+          for (int64_t r : {int64_t{0}, rows - 1})
+            EXPECT_TRUE(at::equal(kernels::linear_on(isa, x.narrow(0, r, 1), weight, bias), streamed.narrow(0, r, 1)));
+        }
+      }
+    }
+  }
+}
+
 TEST(CpuKernels, LinearKeepsLeadingDimsForFewAndManyRows) {
   at::manual_seed(4);
   at::Tensor weight = at::randn({24, 40}).to(at::kBFloat16);
