@@ -282,19 +282,9 @@ void tile_loops(const RowsLinear& a, int64_t o, int64_t r, int64_t begin, int64_
   }
 }
 
-/// Whether a product reads its weights one row after another: one output a tile and no software
-/// prefetch, where the CPU asks for it (RowsLinear::one_stream) and the rows are few enough for the
-/// path and weight type (Vec::kStreamRows<T>). Each output's sum keeps its order (a tile of one
-/// output adds the same terms in the same order as a wider one), so the bits do not change, only
-/// the order in which the weight rows are read. On the AMD EPYC of stop 42 (Zen 4 class, one
-/// thread) tiles of 4 outputs read 4 rows side by side and its hardware prefetcher followed them
-/// badly (each 1.5-4 KiB row a stream); one stream at a time it reads at the machine's read
-/// bandwidth, and the software prefetch only got in its way. The 85 products of the bench's 100M
-/// model, 1 row, medians of 15 interleaved runs: AVX-512 f32 14.4 -> 12.5 ms, bf16 8.7 -> 6.9,
-/// f16 9.0 -> 6.8; 2 rows 7-19% faster, 3 rows 7-11%, 4 rows: bf16 and f16 26% and 12% slower (the
-/// tile's reuse of each weight vector pays from there); AVX2 f32 1 and 2 rows 16% and 9% faster,
-/// its 16-bit weights and FP8 on either path slower (their one-output tiles wait on the latency of
-/// the chain of FMAs into a single accumulator: FP8 4.8 -> 6.7 ms).
+/// Whether a product reads its weight rows one after another (one-output tiles, no software
+/// prefetch; the same bits: a tile adds each output's terms in one order). An AMD EPYC's prefetcher
+/// followed 4 rows side by side badly: 1-3 rows ran 7-24% faster so; from 4 rows and FP8 not.
 template <class Vec, WeightType T>
 bool streams_rows(const RowsLinear& a) {
   return a.one_stream && a.rows <= Vec::template kStreamRows<T>;
@@ -439,11 +429,6 @@ const float* prepare_inputs(const RowsLinear& a, int64_t o) {
 
 template <class Vec, WeightType T>
 void rows_linear_typed(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
-  if (streams_rows<Vec, T>(a)) {
-    const float* prepared = prepares_inputs<Vec, T>(a) ? prepare_inputs<Vec, T>(a, o_begin) : nullptr;
-    for (int64_t o = o_begin; o < o_end; ++o) linear_outputs<Vec, T, 1>(a, o, prepared);
-    return;
-  }
   constexpr int OT = Vec::kOutTile;
   const bool prepare = prepares_inputs<Vec, T>(a);
   // Runs of outputs that share prepared inputs: an FP8 row block each, or the whole range.
@@ -456,7 +441,8 @@ void rows_linear_typed(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
       if (block_end < o_end) run_end = block_end;
     }
     const float* prepared = prepare ? prepare_inputs<Vec, T>(a, o) : nullptr;
-    for (; o + OT <= run_end; o += OT) linear_outputs<Vec, T, OT>(a, o, prepared);
+    if (!streams_rows<Vec, T>(a))  // else every tile has one output
+      for (; o + OT <= run_end; o += OT) linear_outputs<Vec, T, OT>(a, o, prepared);
     for (; o < run_end; ++o) linear_outputs<Vec, T, 1>(a, o, prepared);
   }
 }
