@@ -192,6 +192,35 @@ TEST_F(Qwen2VlTest, IncrementalDecodingMatchesFullForward) {
   model_.set_kv_cache_dtype(at::kFloat);
 }
 
+TEST_F(Qwen2VlTest, APromptOfManyTokensGivesTheLogitsOfTheSamePromptInShortWindows) {
+  // 600 tokens in one window: the MLP runs over 128, 128, 128 and 216 rows (windows of 256 rows
+  // or more); windows of 200 tokens over a KV cache run it in one pass. Every column's logits agree.
+  const int64_t total = 600, window = 200;
+  const at::Tensor ids = at::randint(1, 90, {1, total}, at::kLong);
+  const at::Tensor positions = at::arange(total, at::kLong).view({1, 1, total}).expand({3, 1, total}).contiguous();
+  auto run = [&](int64_t window) {
+    InferenceContext ctx(model_.traits().kv_cache, 1, total);
+    std::vector<at::Tensor> pieces;
+    for (int64_t start = 0; start < total; start += window) {
+      ForwardArgs args;
+      args.input_ids = ids.narrow(1, start, window);
+      args.attention_mask = at::ones({1, start + window}, at::kLong);
+      args.position_ids = positions.narrow(-1, start, window);
+      args.context = &ctx;
+      args.window_start = start;
+      pieces.push_back(model_.forward(args));
+      ctx.commit(args.input_ids, at::ones({1, window}, at::kLong));
+    }
+    return at::cat(pieces, 1);
+  };
+  const at::Tensor whole = run(total), windows = run(window);
+  ASSERT_EQ(whole.sizes(), windows.sizes());
+  const double diff = max_abs_diff(whole, windows);
+  report("600-token window vs three of 200, max|diff|", diff);
+  EXPECT_LE(diff, kCacheTolerance);
+  EXPECT_GT(whole.abs().max().item<double>(), 0.1);
+}
+
 TEST_F(Qwen2VlTest, PaddedBatchRowsMatchRowsAlone) {
   VisionInputs vision = make_vision(config_, {{1, 4, 4}, {1, 4, 8}}, 21);
   std::vector<std::vector<int64_t>> prompts = {image_prompt({1, 2, 3, 4, 5, 6, 7, 8, 9}, 4, {6, 7}),
