@@ -212,13 +212,16 @@ std::vector<at::Tensor> segment_logits(const at::Tensor& x, const std::vector<Se
   return out;
 }
 
-/// Rows of a window's MLP per run: a prefill of n >= 2 * kMlpRunRows rows without tensor
-/// parallelism computes its MLP over n / kMlpRunRows runs (the last takes the rest), so its
-/// [rows, intermediate] activations are those of one run, not of the window: a 512-token prompt of
-/// the 100M bench model peaked at 452.0 instead of 460.3 MB (bf16), 368.1 instead of 377.4 (FP8;
-/// runs of 256: 456.0 and 369.6), its prefill time unchanged. Every run has enough rows for the
-/// GEMM tiles, where a row's result does not depend on the other rows: the values of one pass.
+/// A prefill's MLP over runs of rows: a window of n >= 2 * kMlpRunRows rows without tensor
+/// parallelism computes it in at most kMlpRuns runs of at least kMlpRunRows rows (the last takes
+/// the rest), so its [rows, intermediate] activations are one run's, not the window's: a
+/// 512-token prompt of the 100M bench model peaked at 452.0 instead of 460.3 MB (bf16), 368.1
+/// instead of 377.4 (FP8; runs of 256: 456.0 and 369.6), its prefill time unchanged. At most 4
+/// runs: 16-bit and FP8 weights are widened once per product call. On the GEMM tiles (AVX2,
+/// AVX-512) a row's result does not depend on the other rows, so the values are those of one
+/// pass; ATen's GEMM (portable path, VLMGEN_CPU_ISA=aten, CUDA) may round a run differently.
 constexpr int64_t kMlpRunRows = 128;
+constexpr int64_t kMlpRuns = 4;
 
 /// Whether x += MLP(h) may run in runs, adding into x in place: many rows, x contiguous, and
 /// nothing that autograd records (x's old values may be saved for a backward pass).
@@ -232,11 +235,12 @@ bool mlp_in_runs(const at::Tensor& x, const at::Tensor& h, const qwen_vl::Decode
 
 /// x += down(silu(gate(h)) * up(h)) in runs of rows (mlp_in_runs), in x's own storage.
 void add_mlp_in_runs(at::Tensor& x, const at::Tensor& h, const qwen_vl::DecoderLayer& w) {
-  const int64_t n = h.numel() / h.size(-1), runs = n / kMlpRunRows;
+  const int64_t n = h.numel() / h.size(-1);
+  const int64_t run_rows = std::max(kMlpRunRows, (n + kMlpRuns - 1) / kMlpRuns), runs = n / run_rows;
   const at::Tensor rows_in = h.reshape({n, h.size(-1)});
   at::Tensor rows_out = x.view({n, x.size(-1)});
   for (int64_t r = 0; r < runs; ++r) {
-    const int64_t begin = r * kMlpRunRows, len = r + 1 < runs ? kMlpRunRows : n - begin;
+    const int64_t begin = r * run_rows, len = r + 1 < runs ? run_rows : n - begin;
     const at::Tensor part = rows_in.narrow(0, begin, len);
     at::Tensor gated = detail::apply_linear(part, w.gate_proj);
     kernels::silu_mul_into(gated, detail::apply_linear(part, w.up_proj));
