@@ -229,18 +229,19 @@ void axpy(float alpha, const T* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] = __builtin_fmaf(alpha, kv_value(x[i]), y[i]);
 }
 
-/// out(g, s) for g in [g0, g0 + gn) and columns [d0, d0 + DN * L) of the value rows: the sum over
-/// visible keys j of p(g, j) * v_j, the GC x DN partial sums kept in registers while the value
-/// rows stream by once.
+/// out(g, s) += the sum over visible keys j in [j0, j1) of p(g, j) * v_j, for g in [g0, g0 + gn)
+/// and columns [d0, d0 + DN * L) of the value rows: the GC x DN partial sums kept in registers
+/// while the value rows stream by once.
 template <class Vec, class T, int DN, int GC>
-void value_chunk(const HeadGroupAttention& a, const float* p, int64_t s, int64_t limit, int64_t g0, int64_t gn,
+void value_chunk(const HeadGroupAttention& a, const float* p, int64_t s, int64_t j0, int64_t j1, int64_t g0, int64_t gn,
                  int64_t d0) {
   using V = typename Vec::V;
   constexpr int64_t L = Vec::kLanes;
   V acc[GC][DN];
   for (int g = 0; g < GC; ++g)
-    for (int c = 0; c < DN; ++c) acc[g][c] = Vec::zero();
-  for (int64_t j = 0; j < limit; ++j) {
+    for (int c = 0; c < DN; ++c)
+      acc[g][c] = g < gn ? Vec::load(a.out + (g0 + g) * a.q_head_stride + s * a.dim + d0 + c * L) : Vec::zero();
+  for (int64_t j = j0; j < j1; ++j) {
     if (a.key_real[j] == 0) continue;
     const T* row = cache_rows<T>(a, true) + j * a.kv_row_stride;
     const T* vj = row + d0;
@@ -257,21 +258,22 @@ void value_chunk(const HeadGroupAttention& a, const float* p, int64_t s, int64_t
     for (int c = 0; c < DN; ++c) Vec::store(a.out + (g0 + g) * a.q_head_stride + s * a.dim + d0 + c * L, acc[g][c]);
 }
 
-/// The value pass of column s over every head of the group: register-blocked chunks of the
-/// vector-aligned columns, axpy for any columns past them.
+/// The values of keys [j0, j1) added to column s's output of every head of the group:
+/// register-blocked chunks of the vector-aligned columns, one key at a time for any columns past
+/// them.
 template <class Vec, class T>
-void value_pass(const HeadGroupAttention& a, const float* p, int64_t s, int64_t limit) {
+void value_pass(const HeadGroupAttention& a, const float* p, int64_t s, int64_t j0, int64_t j1) {
   constexpr int64_t L = Vec::kLanes;
   const int64_t aligned = a.dim - a.dim % L;
   int64_t d0 = 0;
   for (; d0 + 4 * L <= aligned; d0 += 4 * L)
-    for (int64_t g0 = 0; g0 < a.groups; g0 += 3) value_chunk<Vec, T, 4, 3>(a, p, s, limit, g0, a.groups - g0, d0);
+    for (int64_t g0 = 0; g0 < a.groups; g0 += 3) value_chunk<Vec, T, 4, 3>(a, p, s, j0, j1, g0, a.groups - g0, d0);
   for (; d0 + L <= aligned; d0 += L)
-    for (int64_t g0 = 0; g0 < a.groups; g0 += 8) value_chunk<Vec, T, 1, 8>(a, p, s, limit, g0, a.groups - g0, d0);
+    for (int64_t g0 = 0; g0 < a.groups; g0 += 8) value_chunk<Vec, T, 1, 8>(a, p, s, j0, j1, g0, a.groups - g0, d0);
   if (aligned == a.dim) return;
   for (int64_t g = 0; g < a.groups; ++g) {
     float* out = a.out + g * a.q_head_stride + s * a.dim;
-    for (int64_t j = 0; j < limit; ++j) {
+    for (int64_t j = j0; j < j1; ++j) {
       if (a.key_real[j] == 0) continue;
       const T* vj = cache_rows<T>(a, true) + j * a.kv_row_stride;
       const float w = p[g * a.keys + j] * row_factor(vj, a.dim);
@@ -280,61 +282,66 @@ void value_pass(const HeadGroupAttention& a, const float* p, int64_t s, int64_t 
   }
 }
 
-/// sc[j] = e^(sc[j] - top) / total over j < limit, 0 for keys that are not real.
+/// The running softmax of one query head brought over n more scores `sc` (keys that are not real
+/// hold -inf): top, the largest score so far, and total, the sum of e^(score - top) so far, are
+/// updated, and sc becomes e^(score - top) (0 for keys that are not real). Returns the factor
+/// e^(old top - new top) by which the sums made so far (total, the output's) shrink: 1 where the
+/// top did not grow.
 template <class Vec>
-void softmax_row(float* sc, const uint8_t* real, int64_t limit, bool all_real) {
+float softmax_block(float* sc, const uint8_t* real, int64_t n, bool all_real, float& top, float& total) {
   constexpr int64_t L = Vec::kLanes;
-  // The largest real score: keys that are not real hold -inf (or, masked, stale scores).
-  float top = -INFINITY;
-  if (all_real) {
-    typename Vec::V top_v = Vec::set1(-INFINITY);
-    int64_t k = 0;
-    for (; k + L <= limit; k += L) top_v = Vec::max(Vec::load(sc + k), top_v);
-    float lanes[L];
-    Vec::store(lanes, top_v);
-    for (float v : lanes) top = v > top ? v : top;
-    for (; k < limit; ++k) top = sc[k] > top ? sc[k] : top;
-  } else {
-    for (int64_t k = 0; k < limit; ++k)
-      if (real[k] != 0 && sc[k] > top) top = sc[k];
+  typename Vec::V top_v = Vec::set1(-INFINITY);
+  int64_t k = 0;
+  for (; k + L <= n; k += L) top_v = Vec::max(Vec::load(sc + k), top_v);
+  float lanes[L];
+  Vec::store(lanes, top_v);
+  float block_top = -INFINITY;
+  for (float v : lanes) block_top = v > block_top ? v : block_top;
+  for (; k < n; ++k) block_top = sc[k] > block_top ? sc[k] : block_top;
+  float factor = 1.0f;
+  if (block_top > top) {
+    factor = expf(top - block_top);  // 0 from a top of -inf
+    top = block_top;
+  }
+  if (top == -INFINITY) {  // no visible key yet
+    for (int64_t j = 0; j < n; ++j) sc[j] = 0.0f;
+    return factor;
   }
   const typename Vec::V shift = Vec::set1(-top);
   const typename Vec::V one = Vec::set1(1.0f);
   typename Vec::V sums = Vec::zero();
   int64_t j = 0;
-  for (; j + L <= limit; j += L) {
+  for (; j + L <= n; j += L) {
     const typename Vec::V e = Vec::exp(Vec::fma(Vec::load(sc + j), one, shift));
     Vec::store(sc + j, e);
     sums = Vec::fma(e, one, sums);
   }
-  float total = Vec::sum(sums);
-  for (; j < limit; ++j) {
+  float added = Vec::sum(sums);
+  for (; j < n; ++j) {
     sc[j] = expf(sc[j] - top);
-    total += sc[j];
+    added += sc[j];
   }
-  if (!all_real) {  // masked keys hold stale scores: take their terms back out
-    for (int64_t k = 0; k < limit; ++k) {
-      if (real[k] == 0) {
-        total -= sc[k];
-        sc[k] = 0.0f;
+  if (!all_real) {  // Vec::exp of -inf is about 1e-38, not 0: take those terms back out
+    for (int64_t i = 0; i < n; ++i) {
+      if (real[i] == 0) {
+        added -= sc[i];
+        sc[i] = 0.0f;
       }
     }
   }
-  const float inv = 1.0f / total;
-  const typename Vec::V scale = Vec::set1(inv);
-  j = 0;
-  for (; j + L <= limit; j += L) Vec::store(sc + j, Vec::fma(Vec::load(sc + j), scale, Vec::zero()));
-  for (; j < limit; ++j) sc[j] *= inv;
+  total = total * factor + added;
+  return factor;
 }
 
 /// The KV cache is fetched ahead in blocks of kFetchBlock keys: the keys kFetchAhead keys past the
-/// block being scored, and the values of that block (the value pass reads them after the scores;
-/// they wait in L2). A decode step reads each layer's cache once, from memory (every weight has
+/// block being scored, and the values of that block (added in after the key block's scores, see
+/// kKeyBlock). A decode step reads each layer's cache once, from memory (every weight has
 /// streamed through the caches since the layer's last step), and the hardware prefetcher alone left
 /// those reads far below the weights' rate. The bench's 100M model, context 2048, one thread,
 /// decode step medians of 3 interleaved A/B runs: bf16 weights and cache 15.84 -> 15.02 ms, FP8
 /// weights and a bf16 cache 10.94 -> 10.17 ms; a float32 cache within the noise (27.1 -> 26.6).
-/// 128 or 512 keys ahead, or no value fetches for a float32 cache: within the noise of 256.
+/// 128 or 512 keys ahead, or no value fetches for a float32 cache: within the noise of 256; with
+/// one pass (kKeyBlock), fetching the values 64 to 256 keys ahead or into L2 only was slower.
 constexpr int64_t kFetchBlock = 16;
 constexpr int64_t kFetchAhead = 256;
 
@@ -359,8 +366,87 @@ template <class T>
   fetch_rows(cache_rows<T>(a, true), a.kv_row_stride, row_bytes, j, limit);
 }
 
-/// One pass over the visible keys for all `groups` query heads of a column (scores, softmax),
-/// then one pass over their values. `scores` holds groups * keys floats.
+/// The scores of keys [j0, j1) for every head of the group in column s, into a.scores (head g's
+/// key j at g * keys + j), -inf for keys that are not real; blocks of kLanes keys where the
+/// instruction set sums lanes together (j0 a multiple of kLanes), then key by key.
+template <class Vec, class T>
+void score_keys(const HeadGroupAttention& a, int64_t s, int64_t j0, int64_t j1, int64_t limit, bool all_real) {
+  const int64_t dim = a.dim;
+  int64_t j = j0;
+  if constexpr (Vec::kLaneSums) {
+    constexpr int64_t L = Vec::kLanes;
+    if (dim % L == 0 && (sizeof(T) != 1 || dim <= kWideBlockDim)) {
+      // An FP8 block is widened once for the group's heads (its bytes take 4 more operations a
+      // vector than bfloat16's): 12 layers of 2048 FP8 keys, 3 heads a group, from 2.48-2.54 to
+      // 1.93-2.15 ms (bfloat16 blocks widened so: 1.97-2.04 -> 2.14-2.24 ms, so they are not).
+      // Widening FP8 a 64-byte line at a time (Vec::load_line, 9 operations instead of 24, the
+      // queries split to match) measured the same as this and was left out.
+      alignas(64) float wide[sizeof(T) == 1 ? L * kWideBlockDim : L];
+      float factors[L];
+      for (; j + L <= j1; j += L) {
+        fetch_ahead<T>(a, j, limit);
+        const T* keys = cache_rows<T>(a, false) + j * a.kv_row_stride;
+        if constexpr (sizeof(T) == 1) {
+          widen_key_block<Vec>(keys, a.kv_row_stride, dim, wide);
+          for (int64_t kk = 0; kk < L; ++kk) factors[kk] = row_factor(keys + kk * a.kv_row_stride, dim);
+          const KeyBlock<float> block{wide, dim, factors};
+          for (int64_t g = 0; g < a.groups; ++g) score_block<Vec>(a, g, s, j, block, all_real);
+        } else {
+          const KeyBlock<T> block{keys, a.kv_row_stride, nullptr};
+          for (int64_t g = 0; g < a.groups; ++g) score_block<Vec>(a, g, s, j, block, all_real);
+        }
+      }
+    }
+  }
+  for (; j < j1; ++j) {
+    if (j % kFetchBlock == 0) fetch_ahead<T>(a, j, limit);
+    const T* key = cache_rows<T>(a, false) + j * a.kv_row_stride;
+    for (int64_t g = 0; g < a.groups; ++g)
+      a.scores[g * a.keys + j] =
+          a.key_real[j] != 0 ? dot<Vec>(a.q + g * a.q_head_stride + s * dim, key, dim) * a.scale : -INFINITY;
+  }
+}
+
+/// Keys a column takes at a time in one pass over the cache: their scores for every head of the
+/// group, each head's running softmax brought up to date (what was summed so far shrinks where the
+/// top score grew), then their values added in while those rows are still in the caches. Two
+/// passes (every score, then every value) left the values' reads out of step with the work: 12
+/// layers of the bench's 100M model (4 KV heads, 3 query heads each, dim 64), a float32 cache cold
+/// from memory, one thread, medians of 21 interleaved runs: 2048 keys 3.14-4.48 -> 2.76-3.73 ms
+/// (8-20% less; a plain read of the same bytes takes 1.6-1.9 ms), 512 keys 0.85 -> 0.82 ms, 128
+/// keys 0.198 -> 0.215 ms. Blocks of 32 were slower, 128 the same, 256 slower.
+constexpr int64_t kKeyBlock = 64;
+/// Heads a group takes at a time (each head's running top and total on the stack; see attention).
+constexpr int64_t kMaxGroups = 64;
+
+/// Column s over every visible key, for all `groups` query heads of a column (groups <=
+/// kMaxGroups). `scores` holds groups * keys floats.
+template <class Vec, class T>
+void attend_column(const HeadGroupAttention& a, int64_t s, int64_t limit, bool all_real) {
+  const int64_t dim = a.dim;
+  float top[kMaxGroups], total[kMaxGroups];
+  for (int64_t g = 0; g < a.groups; ++g) top[g] = -INFINITY, total[g] = 0.0f;
+  for (int64_t j0 = 0; j0 < limit; j0 += kKeyBlock) {
+    const int64_t j1 = j0 + kKeyBlock < limit ? j0 + kKeyBlock : limit;
+    score_keys<Vec, T>(a, s, j0, j1, limit, all_real);
+    for (int64_t g = 0; g < a.groups; ++g) {
+      const float factor =
+          softmax_block<Vec>(a.scores + g * a.keys + j0, a.key_real + j0, j1 - j0, all_real, top[g], total[g]);
+      if (factor != 1.0f) {
+        float* out = a.out + g * a.q_head_stride + s * dim;
+        for (int64_t d = 0; d < dim; ++d) out[d] *= factor;
+      }
+    }
+    value_pass<Vec, T>(a, a.scores, s, j0, j1);
+  }
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const float inv = 1.0f / total[g];
+    float* out = a.out + g * a.q_head_stride + s * dim;
+    for (int64_t d = 0; d < dim; ++d) out[d] *= inv;
+  }
+}
+
+/// Each query column of a head group over the keys it sees, in one pass (attend_column).
 template <class Vec, class T>
 void attention_of(const HeadGroupAttention& a) {
   const int64_t dim = a.dim;
@@ -377,51 +463,26 @@ void attention_of(const HeadGroupAttention& a) {
           axpy<Vec>(w, cache_rows<T>(a, true) + j * a.kv_row_stride, a.out + g * a.q_head_stride + s * dim, dim);
       continue;
     }
-    int64_t j = 0;
-    if constexpr (Vec::kLaneSums) {  // blocks of keys, then one key at a time
-      constexpr int64_t L = Vec::kLanes;
-      if (a.dim % L == 0 && (sizeof(T) != 1 || a.dim <= kWideBlockDim)) {
-        // An FP8 block is widened once for the group's heads (its bytes take 4 more operations a
-        // vector than bfloat16's): 12 layers of 2048 FP8 keys, 3 heads a group, from 2.48-2.54 to
-        // 1.93-2.15 ms (bfloat16 blocks widened so: 1.97-2.04 -> 2.14-2.24 ms, so they are not).
-        // Widening FP8 a 64-byte line at a time (Vec::load_line, 9 operations instead of 24, the
-        // queries split to match) measured the same as this and was left out.
-        alignas(64) float wide[sizeof(T) == 1 ? L * kWideBlockDim : L];
-        float factors[L];
-        for (; j + L <= limit; j += L) {
-          fetch_ahead<T>(a, j, limit);
-          const T* keys = cache_rows<T>(a, false) + j * a.kv_row_stride;
-          if constexpr (sizeof(T) == 1) {
-            widen_key_block<Vec>(keys, a.kv_row_stride, dim, wide);
-            for (int64_t kk = 0; kk < L; ++kk) factors[kk] = row_factor(keys + kk * a.kv_row_stride, dim);
-            const KeyBlock<float> block{wide, dim, factors};
-            for (int64_t g = 0; g < a.groups; ++g) score_block<Vec>(a, g, s, j, block, real_keys == limit);
-          } else {
-            const KeyBlock<T> block{keys, a.kv_row_stride, nullptr};
-            for (int64_t g = 0; g < a.groups; ++g) score_block<Vec>(a, g, s, j, block, real_keys == limit);
-          }
-        }
-      }
-    }
-    for (; j < limit; ++j) {
-      if (j % kFetchBlock == 0) fetch_ahead<T>(a, j, limit);
-      const T* key = cache_rows<T>(a, false) + j * a.kv_row_stride;
-      for (int64_t g = 0; g < a.groups; ++g)
-        a.scores[g * a.keys + j] =
-            a.key_real[j] != 0 ? dot<Vec>(a.q + g * a.q_head_stride + s * dim, key, dim) * a.scale : -INFINITY;
-    }
-    for (int64_t g = 0; g < a.groups; ++g)
-      softmax_row<Vec>(a.scores + g * a.keys, a.key_real, limit, real_keys == limit);
-    value_pass<Vec, T>(a, a.scores, s, limit);
+    attend_column<Vec, T>(a, s, limit, real_keys == limit);
   }
 }
 
 /// attention_of over a float32, a bfloat16 (HeadGroupAttention::k16 set) or an FP8 cache (k8).
+/// Groups of more than kMaxGroups heads go kMaxGroups heads at a time.
 template <class Vec>
 void attention(const HeadGroupAttention& a) {
-  if (a.k8 != nullptr) return attention_of<Vec, uint8_t>(a);
-  if (a.k16 != nullptr) return attention_of<Vec, uint16_t>(a);
-  attention_of<Vec, float>(a);
+  for (int64_t g0 = 0; g0 < a.groups; g0 += kMaxGroups) {
+    HeadGroupAttention part = a;
+    part.q += g0 * a.q_head_stride;
+    part.out += g0 * a.q_head_stride;
+    part.groups = a.groups - g0 < kMaxGroups ? a.groups - g0 : kMaxGroups;
+    if (a.k8 != nullptr)
+      attention_of<Vec, uint8_t>(part);
+    else if (a.k16 != nullptr)
+      attention_of<Vec, uint16_t>(part);
+    else
+      attention_of<Vec, float>(part);
+  }
 }
 
 }  // namespace

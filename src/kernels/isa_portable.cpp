@@ -4,7 +4,7 @@
 
 #include "attention_impl.h"
 #include "gemm_impl.h"
-#include "kernels_impl.h"
+#include "rows_impl.h"
 
 namespace vlmgen::kernels::raw {
 namespace {

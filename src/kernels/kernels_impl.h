@@ -150,19 +150,28 @@ inline void prefetch_step(TilePrefetch& p, int64_t offset) {
   }
 }
 
+/// A tile's outputs o, o + stride, ..., o + (OT - 1) * stride (stride 1: adjacent weight rows; see
+/// far_rows_linear) and their inputs' whole lines from prepare_inputs (null: none).
+struct TileOutputs {
+  int64_t o;
+  int64_t stride;
+  const float* prepared;
+  int64_t at(int oo) const { return o + oo * stride; }
+};
+
 /// The part of a tile over i < line_end (a multiple of the line's elements, whole scale blocks for
 /// FP8) a whole cache line of each weight row per step: one load gives kLineParts<T> vectors of
 /// weights in an interleaved order (Vec::load_line: shifts and masks, fewer shuffles), and each
 /// input row is split into the same order once for the OT rows (Vec::split_inputs), or read so
-/// split (and scaled) from `prepared` (prepare_inputs; then M is kNone). A 64-byte
+/// split (and scaled) from the tile's prepared inputs (then M is kNone). A 64-byte
 /// load is a whole cache line where a row's bytes are a multiple of 64. bf16 decode ran 6-8%
 /// faster this way than widening half a line at a time; FP8 through halves showed no measurable
 /// change, E4M3 through bfloat16 (Vec::load_line) gains 8-10% (with 4 input rows FP8's 16
 /// accumulators, 16 split inputs and 4 weight vectors exceed 32 registers, so the compiler
 /// spills). Scales as in tile_loop.
 template <class Vec, WeightType T, int OT, int RT, ScaleMode M, bool kInOrder>
-void tile_loop_lines(const RowsLinear& a, int64_t o, int64_t r, int64_t line_end, typename Vec::V (&acc)[OT][RT],
-                     const float* prepared, TilePrefetch& prefetch_state) {
+void tile_loop_lines(const RowsLinear& a, const TileOutputs& t, int64_t r, int64_t line_end,
+                     typename Vec::V (&acc)[OT][RT], TilePrefetch& prefetch_state) {
   using V = typename Vec::V;
   constexpr int N = kLineParts<T>;
   constexpr int64_t step = N * Vec::kLanes;
@@ -176,15 +185,15 @@ void tile_loop_lines(const RowsLinear& a, int64_t o, int64_t r, int64_t line_end
     if constexpr (M == ScaleMode::kToWeights || M == ScaleMode::kToInput) {
       if (i % a.fp8.block_in == 0) {  // a line never crosses a block (see line_end)
         if constexpr (M == ScaleMode::kToWeights)
-          for (int oo = 0; oo < OT; ++oo) scales[oo] = Vec::set1(fp8_scale_at(a.fp8, o + oo, i));
+          for (int oo = 0; oo < OT; ++oo) scales[oo] = Vec::set1(fp8_scale_at(a.fp8, t.at(oo), i));
         else
-          input_scale = Vec::set1(fp8_scale_at(a.fp8, o, i));
+          input_scale = Vec::set1(fp8_scale_at(a.fp8, t.o, i));
       }
     }
     V xs[RT][N];
     for (int rr = 0; rr < RT; ++rr) {
-      if (prepared != nullptr) {  // split (and scaled) once for the run (M is kNone)
-        for (int k = 0; k < N; ++k) xs[rr][k] = Vec::load(prepared + (r + rr) * line_end + i + k * Vec::kLanes);
+      if (t.prepared != nullptr) {  // split (and scaled) once for the run (M is kNone)
+        for (int k = 0; k < N; ++k) xs[rr][k] = Vec::load(t.prepared + (r + rr) * line_end + i + k * Vec::kLanes);
         continue;
       }
       Vec::template split_inputs<T>(a.x + (r + rr) * a.ldx + i, xs[rr]);
@@ -193,7 +202,7 @@ void tile_loop_lines(const RowsLinear& a, int64_t o, int64_t r, int64_t line_end
     }
     for (int oo = 0; oo < OT; ++oo) {
       V ws[N];
-      Vec::template load_line<T>(w + (o + oo) * in + i, ws);
+      Vec::template load_line<T>(w + t.at(oo) * in + i, ws);
       for (int k = 0; k < N; ++k) {
         if constexpr (M == ScaleMode::kToWeights) ws[k] = Vec::fma(ws[k], scales[oo], Vec::zero());
         for (int rr = 0; rr < RT; ++rr) acc[oo][rr] = Vec::fma(ws[k], xs[rr][k], acc[oo][rr]);
@@ -206,7 +215,7 @@ void tile_loop_lines(const RowsLinear& a, int64_t o, int64_t r, int64_t line_end
 /// The vector part of a tile: acc[oo][rr] += w(o + oo, i) * x(r + rr, i) over begin <= i <
 /// vector_end (begin: where tile_loop_lines stopped, 0 without it).
 template <class Vec, WeightType T, int OT, int RT, ScaleMode M, bool kInOrder>
-void tile_loop(const RowsLinear& a, int64_t o, int64_t r, int64_t begin, int64_t vector_end,
+void tile_loop(const RowsLinear& a, const TileOutputs& t, int64_t r, int64_t begin, int64_t vector_end,
                typename Vec::V (&acc)[OT][RT], TilePrefetch& prefetch_state) {
   using V = typename Vec::V;
   constexpr int64_t L = Vec::kLanes;
@@ -222,13 +231,13 @@ void tile_loop(const RowsLinear& a, int64_t o, int64_t r, int64_t begin, int64_t
     // block_in is a multiple of L: a block boundary starts a vector.
     if constexpr (M == ScaleMode::kToWeights) {
       if (i >= next_block) {  // at begin (maybe inside a block) and at each block's start
-        for (int oo = 0; oo < OT; ++oo) scales[oo] = Vec::set1(fp8_scale_at(a.fp8, o + oo, i));
+        for (int oo = 0; oo < OT; ++oo) scales[oo] = Vec::set1(fp8_scale_at(a.fp8, t.at(oo), i));
         next_block = (i / a.fp8.block_in + 1) * a.fp8.block_in;
       }
     }
     if constexpr (M == ScaleMode::kToInput) {
       if (i >= next_block) {
-        input_scale = Vec::set1(fp8_scale_at(a.fp8, o, i));
+        input_scale = Vec::set1(fp8_scale_at(a.fp8, t.o, i));
         next_block = (i / a.fp8.block_in + 1) * a.fp8.block_in;
       }
     }
@@ -238,7 +247,7 @@ void tile_loop(const RowsLinear& a, int64_t o, int64_t r, int64_t begin, int64_t
       if constexpr (M == ScaleMode::kToInput) xv[rr] = Vec::fma(xv[rr], input_scale, Vec::zero());
     }
     for (int oo = 0; oo < OT; ++oo) {
-      V w = load_weights<Vec, T>(a.w, (o + oo) * in + i);
+      V w = load_weights<Vec, T>(a.w, t.at(oo) * in + i);
       if constexpr (M == ScaleMode::kToWeights) w = Vec::fma(w, scales[oo], Vec::zero());
       for (int rr = 0; rr < RT; ++rr) acc[oo][rr] = Vec::fma(w, xv[rr], acc[oo][rr]);
     }
@@ -249,51 +258,50 @@ void tile_loop(const RowsLinear& a, int64_t o, int64_t r, int64_t begin, int64_t
 /// The vector part of a tile: whole lines where the instruction set has them (from `begin` on the
 /// vectors, see linear_tile), then vectors.
 template <class Vec, WeightType T, int OT, int RT, bool kInOrder>
-void tile_loops(const RowsLinear& a, int64_t o, int64_t r, int64_t begin, int64_t vector_end, ScaleMode mode,
-                const float* prepared, typename Vec::V (&acc)[OT][RT], TilePrefetch& prefetch) {
+void tile_loops(const RowsLinear& a, const TileOutputs& t, int64_t r, int64_t begin, int64_t vector_end, ScaleMode mode,
+                typename Vec::V (&acc)[OT][RT], TilePrefetch& prefetch) {
   if constexpr (T != WeightType::kF32 && T != WeightType::kF16 && Vec::kWholeLines) {
-    const ScaleMode line_mode = prepared != nullptr ? ScaleMode::kNone : mode;  // prepared: scaled already
+    const ScaleMode line_mode = t.prepared != nullptr ? ScaleMode::kNone : mode;  // prepared: scaled already
     switch (line_mode) {
       case ScaleMode::kNone:
       case ScaleMode::kAtEnd:
-        tile_loop_lines<Vec, T, OT, RT, ScaleMode::kNone, kInOrder>(a, o, r, begin, acc, prepared, prefetch);
+        tile_loop_lines<Vec, T, OT, RT, ScaleMode::kNone, kInOrder>(a, t, r, begin, acc, prefetch);
         break;
       case ScaleMode::kToInput:
-        tile_loop_lines<Vec, T, OT, RT, ScaleMode::kToInput, kInOrder>(a, o, r, begin, acc, nullptr, prefetch);
+        tile_loop_lines<Vec, T, OT, RT, ScaleMode::kToInput, kInOrder>(a, t, r, begin, acc, prefetch);
         break;
       case ScaleMode::kToWeights:
-        tile_loop_lines<Vec, T, OT, RT, ScaleMode::kToWeights, kInOrder>(a, o, r, begin, acc, nullptr, prefetch);
+        tile_loop_lines<Vec, T, OT, RT, ScaleMode::kToWeights, kInOrder>(a, t, r, begin, acc, prefetch);
         break;
     }
   }
   switch (mode) {
     case ScaleMode::kNone:
-      tile_loop<Vec, T, OT, RT, ScaleMode::kNone, kInOrder>(a, o, r, begin, vector_end, acc, prefetch);
+      tile_loop<Vec, T, OT, RT, ScaleMode::kNone, kInOrder>(a, t, r, begin, vector_end, acc, prefetch);
       break;
     case ScaleMode::kAtEnd:
-      tile_loop<Vec, T, OT, RT, ScaleMode::kAtEnd, kInOrder>(a, o, r, begin, vector_end, acc, prefetch);
+      tile_loop<Vec, T, OT, RT, ScaleMode::kAtEnd, kInOrder>(a, t, r, begin, vector_end, acc, prefetch);
       break;
     case ScaleMode::kToInput:
-      tile_loop<Vec, T, OT, RT, ScaleMode::kToInput, kInOrder>(a, o, r, begin, vector_end, acc, prefetch);
+      tile_loop<Vec, T, OT, RT, ScaleMode::kToInput, kInOrder>(a, t, r, begin, vector_end, acc, prefetch);
       break;
     case ScaleMode::kToWeights:
-      tile_loop<Vec, T, OT, RT, ScaleMode::kToWeights, kInOrder>(a, o, r, begin, vector_end, acc, prefetch);
+      tile_loop<Vec, T, OT, RT, ScaleMode::kToWeights, kInOrder>(a, t, r, begin, vector_end, acc, prefetch);
       break;
   }
 }
 
-/// Whether a product reads its weight rows one after another (one-output tiles, no software
-/// prefetch; the same bits: a tile adds each output's terms in one order). An AMD EPYC's prefetcher
-/// followed 4 rows side by side badly: 1-3 rows ran 7-24% faster so; from 4 rows and FP8 not.
+/// Whether a product reads its weight rows as a few streams far apart (far_rows_linear: tiles of
+/// outputs a quarter of the range apart, no software prefetch; the same bits, since a tile adds
+/// each output's terms in one order wherever its other outputs are).
 template <class Vec, WeightType T>
 bool streams_rows(const RowsLinear& a) {
   return a.one_stream && a.rows <= Vec::template kStreamRows<T>;
 }
 
-/// Outputs [o, o + OT) of rows [r, r + RT): each weight vector is loaded once for the RT rows.
-/// `prepared`: the rows' whole lines from prepare_inputs, or null.
+/// Outputs t.at(0..OT) of rows [r, r + RT): each weight vector is loaded once for the RT rows.
 template <class Vec, WeightType T, int OT, int RT>
-void linear_tile(const RowsLinear& a, int64_t o, int64_t r, const float* prepared) {
+void linear_tile(const RowsLinear& a, const TileOutputs& t, int64_t r) {
   using V = typename Vec::V;
   constexpr int64_t L = Vec::kLanes;
   const int64_t in = a.in;
@@ -305,7 +313,7 @@ void linear_tile(const RowsLinear& a, int64_t o, int64_t r, const float* prepare
   if constexpr (is_fp8(T)) {
     if (a.fp8.block_in >= in) {
       mode = ScaleMode::kAtEnd;
-    } else if (o / a.fp8.block_out == (o + OT - 1) / a.fp8.block_out) {
+    } else if (t.o / a.fp8.block_out == t.at(OT - 1) / a.fp8.block_out) {
       mode = ScaleMode::kToInput;
     } else {
       mode = ScaleMode::kToWeights;
@@ -320,176 +328,50 @@ void linear_tile(const RowsLinear& a, int64_t o, int64_t r, const float* prepare
     if (mode == ScaleMode::kNone || mode == ScaleMode::kAtEnd || a.fp8.block_in % line == 0) begin = in - in % line;
   const int64_t row_bytes = in * static_cast<int64_t>(sizeof(WeightElement<T>));
   const int64_t steps = streams_rows<Vec, T>(a) ? 0 : begin / line + (vector_end - begin) / L;  // 0: no prefetch
-  TilePrefetch prefetch(a, a.w, o, OT, row_bytes, r, Vec::kRowTile, steps);
+  TilePrefetch prefetch(a, a.w, t.o, OT, row_bytes, r, Vec::kRowTile, steps);
   if (prefetch.per_step != 0)
-    tile_loops<Vec, T, OT, RT, true>(a, o, r, begin, vector_end, mode, prepared, acc, prefetch);
+    tile_loops<Vec, T, OT, RT, true>(a, t, r, begin, vector_end, mode, acc, prefetch);
   else
-    tile_loops<Vec, T, OT, RT, false>(a, o, r, begin, vector_end, mode, prepared, acc, prefetch);
+    tile_loops<Vec, T, OT, RT, false>(a, t, r, begin, vector_end, mode, acc, prefetch);
   for (int oo = 0; oo < OT; ++oo) {
+    const int64_t o = t.at(oo);
     for (int rr = 0; rr < RT; ++rr) {
       float s = Vec::sum(acc[oo][rr]);
       const float* x = a.x + (r + rr) * a.ldx;
       if (mode == ScaleMode::kAtEnd) {  // one scale for the whole row
-        for (int64_t i = vector_end; i < in; ++i) s += weight_at<T>(a.w, (o + oo) * in + i) * x[i];
-        s *= fp8_scale_at(a.fp8, o + oo, 0);
+        for (int64_t i = vector_end; i < in; ++i) s += weight_at<T>(a.w, o * in + i) * x[i];
+        s *= fp8_scale_at(a.fp8, o, 0);
       } else {
         for (int64_t i = vector_end; i < in; ++i) {
-          float w = weight_at<T>(a.w, (o + oo) * in + i);
-          if (mode != ScaleMode::kNone) w *= fp8_scale_at(a.fp8, o + oo, i);
+          float w = weight_at<T>(a.w, o * in + i);
+          if (mode != ScaleMode::kNone) w *= fp8_scale_at(a.fp8, o, i);
           s += w * x[i];
         }
       }
-      if (a.bias != nullptr) s += a.bias[o + oo];
-      a.y[(r + rr) * a.ldy + o + oo] = s;
+      if (a.bias != nullptr) s += a.bias[o];
+      a.y[(r + rr) * a.ldy + o] = s;
     }
   }
 }
 
-/// Every row for outputs [o, o + OT).
+/// Every row for the tile's outputs.
 template <class Vec, WeightType T, int OT>
-void linear_outputs(const RowsLinear& a, int64_t o, const float* prepared) {
+void linear_outputs(const RowsLinear& a, const TileOutputs& t) {
   constexpr int RT = Vec::kRowTile;
   static_assert(RT >= 1 && RT <= 4, "row tiles of 1 to 4 rows");
   int64_t r = 0;
-  for (; r + RT <= a.rows; r += RT) linear_tile<Vec, T, OT, RT>(a, o, r, prepared);
+  for (; r + RT <= a.rows; r += RT) linear_tile<Vec, T, OT, RT>(a, t, r);
   switch (a.rows - r) {
     case 3:
-      if constexpr (RT > 3) linear_tile<Vec, T, OT, 3>(a, o, r, prepared);
+      if constexpr (RT > 3) linear_tile<Vec, T, OT, 3>(a, t, r);
       break;
     case 2:
-      if constexpr (RT > 2) linear_tile<Vec, T, OT, 2>(a, o, r, prepared);
+      if constexpr (RT > 2) linear_tile<Vec, T, OT, 2>(a, t, r);
       break;
     case 1:
-      if constexpr (RT > 1) linear_tile<Vec, T, OT, 1>(a, o, r, prepared);
+      if constexpr (RT > 1) linear_tile<Vec, T, OT, 1>(a, t, r);
       break;
     default: break;
-  }
-}
-
-/// FP8 row blocks narrower than this keep splitting and scaling the inputs in every tile (a run
-/// per block would prepare the inputs too often).
-constexpr int64_t kMinPreparedBlock = 16;
-/// At most this many floats of prepared inputs per thread (1 MiB; more rows or wider rows split
-/// and scale in every tile, as before): the scratch a thread keeps stays small.
-constexpr int64_t kMaxPreparedFloats = int64_t{1} << 18;
-
-/// Whether a line-wise product prepares its inputs once per run of tiles instead of in every tile:
-/// 16-bit-to-float lines of bfloat16 or FP8 on an instruction set with whole lines, FP8 scales
-/// per tensor or channel, or blocks whose lines never straddle a column block and whose row blocks
-/// are wide enough.
-template <class Vec, WeightType T>
-bool prepares_inputs(const RowsLinear& a) {
-  if constexpr (!Vec::kWholeLines || !(T == WeightType::kBF16 || is_fp8(T))) {
-    return false;
-  } else {
-    constexpr int64_t line = kLineParts<T> * Vec::kLanes;
-    if (a.in < line || a.rows * (a.in - a.in % line) > kMaxPreparedFloats) return false;
-    if constexpr (is_fp8(T)) {
-      if (a.fp8.block_in < a.in) return a.fp8.block_in % line == 0 && a.fp8.block_out >= kMinPreparedBlock;
-    }
-    return true;
-  }
-}
-
-/// Each row's whole lines split into the line order (Vec::split_inputs) once, and for FP8 blocks
-/// narrower than the row times the scales of output o's row block (as kToInput does per tile, the
-/// same roundings): row r at the result + r * line_end. Per thread, kept for the next call.
-/// This takes the split's permutes (E4M3: 8 a line, bf16: 2, E5M2: 4) and FP8's 4 multiplies of
-/// block scales per line and input row out of every tile of 4 outputs, about a fifth of an E4M3
-/// tile's vector operations: the 85 products of the bench's 100M model with FP8 weights on 4 rows
-/// went from 13.4 to 11.9 ms, on 1 row within the noise (memory-bound there). Runs stop at row
-/// blocks' edges, so no tile straddles one any more (those tiles scaled their weights, kToWeights,
-/// and rounded differently from the rest of their blocks, depending on where a thread's range
-/// began); every other output has the same bits as before.
-template <class Vec, WeightType T>
-const float* prepare_inputs(const RowsLinear& a, int64_t o) {
-  if constexpr (!Vec::kWholeLines || !(T == WeightType::kBF16 || is_fp8(T))) {
-    return nullptr;  // not called (prepares_inputs)
-  } else {
-    constexpr int N = kLineParts<T>;
-    constexpr int64_t step = N * Vec::kLanes;
-    const int64_t line_end = a.in - a.in % step;
-    float* buffer = input_scratch(a.rows * line_end);
-    bool scaled = false;
-    if constexpr (is_fp8(T)) scaled = a.fp8.block_in < a.in;
-    for (int64_t r = 0; r < a.rows; ++r) {
-      for (int64_t i = 0; i < line_end; i += step) {
-        typename Vec::V parts[N];
-        Vec::template split_inputs<T>(a.x + r * a.ldx + i, parts);
-        if (scaled) {
-          const typename Vec::V scale = Vec::set1(fp8_scale_at(a.fp8, o, i));
-          for (int k = 0; k < N; ++k) parts[k] = Vec::fma(parts[k], scale, Vec::zero());
-        }
-        for (int k = 0; k < N; ++k) Vec::store(buffer + r * line_end + i + k * Vec::kLanes, parts[k]);
-      }
-    }
-    return buffer;
-  }
-}
-
-template <class Vec, WeightType T>
-void rows_linear_typed(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
-  constexpr int OT = Vec::kOutTile;
-  const bool prepare = prepares_inputs<Vec, T>(a);
-  // Runs of outputs that share prepared inputs: an FP8 row block each, or the whole range.
-  const bool per_block = prepare && is_fp8(T) && a.fp8.block_in < a.in;
-  int64_t o = o_begin;
-  while (o < o_end) {
-    int64_t run_end = o_end;
-    if (per_block) {
-      const int64_t block_end = (o / a.fp8.block_out + 1) * a.fp8.block_out;
-      if (block_end < o_end) run_end = block_end;
-    }
-    const float* prepared = prepare ? prepare_inputs<Vec, T>(a, o) : nullptr;
-    if (!streams_rows<Vec, T>(a))  // else every tile has one output
-      for (; o + OT <= run_end; o += OT) linear_outputs<Vec, T, OT>(a, o, prepared);
-    for (; o < run_end; ++o) linear_outputs<Vec, T, 1>(a, o, prepared);
-  }
-}
-
-template <class Vec>
-void rows_linear(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
-  switch (a.wtype) {
-    case WeightType::kF32: return rows_linear_typed<Vec, WeightType::kF32>(a, o_begin, o_end);
-    case WeightType::kBF16: return rows_linear_typed<Vec, WeightType::kBF16>(a, o_begin, o_end);
-    case WeightType::kF16: return rows_linear_typed<Vec, WeightType::kF16>(a, o_begin, o_end);
-    case WeightType::kE4M3: return rows_linear_typed<Vec, WeightType::kE4M3>(a, o_begin, o_end);
-    case WeightType::kE5M2: return rows_linear_typed<Vec, WeightType::kE5M2>(a, o_begin, o_end);
-  }
-}
-
-template <class Vec, WeightType T>
-void widen_typed(const WidenArgs& a, int64_t begin, int64_t end) {
-  constexpr int64_t L = Vec::kLanes;
-  if constexpr (is_fp8(T)) {  // row by row: [begin, end) counts rows of a.cols weights
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t base = row * a.cols;
-      float* dst = a.dst + (base - a.dst_begin);
-      int64_t i = 0;
-      for (; i + L <= a.cols; i += L) {  // block_in is a multiple of L
-        const typename Vec::V w = load_weights<Vec, T>(a.src, base + i);
-        Vec::store(dst + i, Vec::fma(w, Vec::set1(fp8_scale_at(a.fp8, row, i)), Vec::zero()));
-      }
-      for (; i < a.cols; ++i) dst[i] = weight_at<T>(a.src, base + i) * fp8_scale_at(a.fp8, row, i);
-    }
-  } else {                                       // [begin, end) counts elements
-    float* dst = a.dst + (begin - a.dst_begin);  // dst[i - begin] receives element i
-    int64_t i = begin;
-    for (; i + L <= end; i += L) Vec::store(dst + (i - begin), load_weights<Vec, T>(a.src, i));
-    for (; i < end; ++i) dst[i - begin] = weight_at<T>(a.src, i);
-  }
-}
-
-/// a.dst = the weights of a.src as float32 (FP8: times their scales), over [begin, end): elements,
-/// or rows for FP8.
-template <class Vec>
-void widen(const WidenArgs& a, int64_t begin, int64_t end) {
-  switch (a.type) {
-    case WeightType::kF32: return widen_typed<Vec, WeightType::kF32>(a, begin, end);
-    case WeightType::kBF16: return widen_typed<Vec, WeightType::kBF16>(a, begin, end);
-    case WeightType::kF16: return widen_typed<Vec, WeightType::kF16>(a, begin, end);
-    case WeightType::kE4M3: return widen_typed<Vec, WeightType::kE4M3>(a, begin, end);
-    case WeightType::kE5M2: return widen_typed<Vec, WeightType::kE5M2>(a, begin, end);
   }
 }
 

@@ -37,7 +37,7 @@ struct RowsLinear {
   int64_t ldy;
   int64_t out_end;          // outputs past this one are not this call's (no prefetch beyond them)
   Fp8Scales fp8;            // for kE4M3 / kE5M2 weights
-  bool one_stream = false;  // the CPU reads few rows' weights faster one row after another (AMD)
+  bool one_stream = false;  // the CPU reads few rows' weights faster as far-apart streams (AMD)
 };
 
 /// Widening weights to float32: `src` [rows, cols] of `type` into `dst`.

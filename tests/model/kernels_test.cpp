@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -241,6 +242,35 @@ TEST(CpuKernels, Fp8LinearAndWideningMatchTheFormatDefinitionOnEveryPathAndScale
   }
 }
 
+// FP8 products read their weights as far-apart streams too (1 row on AVX-512 by default on AMD
+// CPUs): a stream's tiles keep to one row block, whose prepared inputs carry its scales as a run
+// of adjacent tiles does, so the bits are those of adjacent tiles; per tensor, per 128 x 128 and
+// 32 x 32 block, and 2 x 64 blocks over 216 columns (tiles across row blocks, a vector tail).
+TEST(CpuKernels, Fp8ProductsGiveTheSameBitsWhetherTheyStreamWeightRows) {
+  at::manual_seed(14);
+  for (auto [out, in, block_out, block_in] : std::vector<std::array<int64_t, 4>>{
+           {130, 768, 128, 128}, {130, 768, 32, 32}, {70, 2048, 70, 2048}, {64, 216, 2, 64}}) {
+    auto [bytes, q] = random_fp8(out, in, block_out, block_in, false);
+    for (int64_t rows : {1, 2, 3, 4, 16}) {
+      const at::Tensor x = at::randn({rows, in});
+      for (Isa isa : kernels::supported_isas()) {
+        SCOPED_TRACE(testing::Message() << kernels::isa_name(isa) << " rows " << rows << " [" << out << ", " << in
+                                        << "] blocks " << block_out << " x " << block_in);
+        at::Tensor tiles;
+        {
+          StreamsWeightRows setting(false);
+          tiles = kernels::linear_on(isa, x, bytes, {}, q);
+        }
+        StreamsWeightRows setting(true);
+        const at::Tensor streamed = kernels::linear_on(isa, x, bytes, {}, q);
+        EXPECT_TRUE(at::equal(streamed, tiles)) << "max |diff| " << (streamed - tiles).abs().max().item<double>();
+        EXPECT_TRUE(at::equal(kernels::linear_on(isa, x.narrow(0, rows - 1, 1), bytes, {}, q),
+                              streamed.narrow(0, rows - 1, 1)));
+      }
+    }
+  }
+}
+
 TEST(CpuKernels, ManyRowsWiden16BitAndFp8WeightsInBlocksThatCoverTheWholeMatrix) {
   // 4100 x 300 weights: 3495 output rows per widened block of 2^20 floats, so a full block and
   // a partial one; 80 rows go to the GEMM tiles (ATen's GEMM on the portable path), each block
@@ -381,6 +411,31 @@ TEST(CpuKernels, DecodeAttentionIgnoresPaddedKeysWhoseScoresWouldOverflow) {
     at::Tensor got = kernels::decode_attention_on(isa, q, k, v, real, keys - 1, 0.125);
     ASSERT_TRUE(at::isfinite(got).all().item<bool>()) << kernels::isa_name(isa);
     EXPECT_LT((got.to(at::kDouble) - want).abs().max().item<double>(), 2e-5) << kernels::isa_name(isa);
+  }
+}
+
+// The kernel takes a column's keys in one pass, a block at a time, rescaling what it summed so far
+// whenever a block holds a larger score than every earlier one. Here the scores climb with the
+// key (0 to about 60 over 300 keys: the top grows in every block, and the first blocks' terms
+// shrink by up to e^-60), a run of padded keys with enormous scores sits mid-cache across a block
+// edge, and one KV head serves 70 query heads (more than a run of the kernel takes at once).
+TEST(CpuKernels, DecodeAttentionRescalesEarlierBlocksWhenTheTopScoreGrowsAndTakesAnyNumberOfHeads) {
+  at::manual_seed(10);
+  const int64_t keys = 300, d = 64, heads = 70;
+  at::Tensor q = at::full({1, heads, 1, d}, 0.5) + at::randn({1, heads, 1, d}) * 0.05;
+  at::Tensor k = at::arange(keys, at::kFloat).mul(0.05).view({1, 1, keys, 1}).expand({1, 1, keys, d}).contiguous() +
+                 at::randn({1, 1, keys, d}) * 0.05;
+  at::Tensor v = at::randn({1, 1, keys, d});
+  at::Tensor real = at::ones({1, keys}, at::kBool);
+  real[0].narrow(0, 120, 20).fill_(false);  // keys 120-139: across the edge of the blocks at 128
+  k[0][0].narrow(0, 120, 20).fill_(100.0);
+  for (int64_t s : {1, 2}) {
+    at::Tensor qs = q.expand({1, heads, s, d}).contiguous();
+    at::Tensor want = reference_attention(qs, k, v, real, keys - s, 0.125);
+    for (Isa isa : kernels::supported_isas()) {
+      at::Tensor got = kernels::decode_attention_on(isa, qs, k, v, real, keys - s, 0.125);
+      EXPECT_LT((got.to(at::kDouble) - want).abs().max().item<double>(), 2e-5) << kernels::isa_name(isa) << " s " << s;
+    }
   }
 }
 

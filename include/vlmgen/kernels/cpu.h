@@ -40,11 +40,13 @@ Isa active_isa();
 /// False when VLMGEN_CPU_ISA=aten: linear() and the models' decode attention use ATen only.
 bool enabled();
 
-/// Whether products of few rows (1 to 3 on AVX-512 with float32 or 16-bit weights, 1 to 2 on AVX2
-/// with float32 weights) read their weight rows one after another instead of several side by side
-/// with software prefetch. The results have the same bits either way; only the speed differs. On
-/// by default on AMD CPUs (where the hardware prefetcher follows one stream at the machine's read
-/// bandwidth and a decode step with 16-bit weights ran 14% faster), off elsewhere; for all threads.
+/// Whether products of few rows (on AVX-512 1 to 3 rows with float32 weights, 1 to 2 with 16-bit
+/// and 1 with FP8 ones; on AVX2 1 row with float32 or 16-bit weights) read their weight rows as
+/// four streams far apart (tiles of outputs a quarter of the matrix apart) instead of tiles of
+/// adjacent rows with software prefetch. The results have the same bits either way; only the
+/// speed differs. On by default on AMD CPUs (whose hardware prefetcher keeps several streams going
+/// but follows adjacent rows badly: one row's 85 products of the bench's model ran 1.2-1.6x faster),
+/// off elsewhere; for all threads.
 bool streams_weight_rows();
 void set_streams_weight_rows(bool on);
 
