@@ -303,8 +303,11 @@ float softmax_block(float* sc, const uint8_t* real, int64_t n, bool all_real, fl
     factor = expf(top - block_top);  // 0 from a top of -inf
     top = block_top;
   }
-  if (top == -INFINITY) {  // no visible key yet
-    for (int64_t j = 0; j < n; ++j) sc[j] = 0.0f;
+  if (top == -INFINITY) {  // no visible key yet, or only NaN scores (the max passes NaNs by)
+    for (int64_t j = 0; j < n; ++j) {
+      if (sc[j] != sc[j]) total = NAN;  // a real key's NaN score makes the column NaN, as softmax does
+      sc[j] = 0.0f;
+    }
     return factor;
   }
   const typename Vec::V shift = Vec::set1(-top);

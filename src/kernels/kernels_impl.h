@@ -1,6 +1,7 @@
 #pragma once
 
-// The matrix-product kernels once (attention_impl.h: the rest), over a vector type `Vec` that
+// The matrix-product tiles once (rows_impl.h: the drivers over them; attention_impl.h: the rest),
+// over a vector type `Vec` that
 // each instruction-set file defines:
 //   V, kLanes, kOutTile, kRowTile, zero(), set1(f), load(const float*), load_bf16(const uint16_t*),
 //   load_f16(const uint16_t*), fma(a, b, acc) (a * b + acc), sum(v), store(float*, v),
@@ -93,7 +94,8 @@ inline float fp8_scale_at(const Fp8Scales& q, int64_t o, int64_t i) {
 /// Where an FP8 tile applies its scales. kAtEnd: one column block (per tensor or per output
 /// channel), each output's sum is scaled once. kToInput: the tile's outputs share a row block, so
 /// the input vectors are scaled per column block (RT multiplies per step, not OT). kToWeights:
-/// each weight vector is scaled (a tile across a row-block edge). kNone: not FP8.
+/// each weight vector is scaled (a tile across a row-block edge; rows_linear_runs keeps every tile
+/// within a row block, so it makes none). kNone: not FP8.
 enum class ScaleMode { kNone, kAtEnd, kToInput, kToWeights };
 
 /// How many vectors one 64-byte cache line of T's weights widens to: 2 for 16-bit, 4 for FP8.
@@ -151,7 +153,7 @@ inline void prefetch_step(TilePrefetch& p, int64_t offset) {
 }
 
 /// A tile's outputs o, o + stride, ..., o + (OT - 1) * stride (stride 1: adjacent weight rows; see
-/// far_rows_linear) and their inputs' whole lines from prepare_inputs (null: none).
+/// rows_linear_typed) and their inputs' whole lines from prepare_inputs (null: none).
 struct TileOutputs {
   int64_t o;
   int64_t stride;
@@ -291,7 +293,7 @@ void tile_loops(const RowsLinear& a, const TileOutputs& t, int64_t r, int64_t be
   }
 }
 
-/// Whether a product reads its weight rows as a few streams far apart (far_rows_linear: tiles of
+/// Whether a product reads its weight rows as a few streams far apart (rows_linear_typed: tiles of
 /// outputs a quarter of the range apart, no software prefetch; the same bits, since a tile adds
 /// each output's terms in one order wherever its other outputs are).
 template <class Vec, WeightType T>

@@ -2,8 +2,8 @@
 
 // The kernels on raw pointers, one set per instruction set. The files that define them are
 // compiled with their instruction set enabled and include nothing but this header, the
-// intrinsics, kernels_impl.h, attention_impl.h and gemm_impl.h, so no inline function of another library is ever
-// compiled there with instructions the running CPU may lack.
+// intrinsics, rows_impl.h (with kernels_impl.h), attention_impl.h and gemm_impl.h, so no inline function of another
+// library is ever compiled there with instructions the running CPU may lack.
 
 #include <cstdint>
 
@@ -66,7 +66,7 @@ struct HeadGroupAttention {
   int64_t dim;
   float scale;
   float* out;     // (g, s) at out + (g * q_head_stride + s * dim)
-  float* scores;  // scratch of `keys` floats
+  float* scores;  // scratch of groups * keys floats
   /// A bfloat16 cache: keys and values as their bits, laid out as k and v (which are then unused).
   const uint16_t* k16;
   const uint16_t* v16;

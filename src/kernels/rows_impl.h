@@ -43,9 +43,9 @@ bool prepares_inputs(const RowsLinear& a) {
 /// block scales per line and input row out of every tile of 4 outputs, about a fifth of an E4M3
 /// tile's vector operations: the 85 products of the bench's 100M model with FP8 weights on 4 rows
 /// went from 13.4 to 11.9 ms, on 1 row within the noise (memory-bound there). Runs stop at row
-/// blocks' edges, so no tile straddles one any more (those tiles scaled their weights, kToWeights,
-/// and rounded differently from the rest of their blocks, depending on where a thread's range
-/// began); every other output has the same bits as before.
+/// blocks' edges (rows_linear_runs, prepared or not), so no tile straddles one (such tiles scaled
+/// their weights, kToWeights, and rounded differently from the rest of their blocks, depending on
+/// where a thread's range began).
 template <class Vec, WeightType T>
 const float* prepare_inputs(const RowsLinear& a, int64_t o, float* buffer) {
   if constexpr (!Vec::kWholeLines || !(T == WeightType::kBF16 || is_fp8(T))) {

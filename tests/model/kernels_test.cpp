@@ -70,7 +70,7 @@ class StreamsWeightRows {
 };
 
 TEST(CpuKernels, FewRowProductsGiveTheSameBitsWhetherTheyStreamWeightRowsAndWhateverElseIsInTheCall) {
-  // Reading the weight rows one after another (the default on AMD CPUs) or in tiles of several
+  // Reading the weight rows as far-apart streams (the default on AMD CPUs) or in tiles of adjacent
   // rows: each output sums its terms in one order, so the bits are the same, and a row's result
   // does not depend on the other rows of the call (a request decoded alone or in a batch).
   at::manual_seed(13);
@@ -244,8 +244,9 @@ TEST(CpuKernels, Fp8LinearAndWideningMatchTheFormatDefinitionOnEveryPathAndScale
 
 // FP8 products read their weights as far-apart streams too (1 row on AVX-512 by default on AMD
 // CPUs): a stream's tiles keep to one row block, whose prepared inputs carry its scales as a run
-// of adjacent tiles does, so the bits are those of adjacent tiles; per tensor, per 128 x 128 and
-// 32 x 32 block, and 2 x 64 blocks over 216 columns (tiles across row blocks, a vector tail).
+// of adjacent tiles does, so the bits are those of adjacent tiles; per tensor, per 128 x 128 block,
+// per 32 x 32 block (inputs not prepared: lines straddle column blocks), and 2 x 64 blocks over 216
+// columns (one-output tiles, a vector tail).
 TEST(CpuKernels, Fp8ProductsGiveTheSameBitsWhetherTheyStreamWeightRows) {
   at::manual_seed(14);
   for (auto [out, in, block_out, block_in] : std::vector<std::array<int64_t, 4>>{
@@ -435,6 +436,25 @@ TEST(CpuKernels, DecodeAttentionRescalesEarlierBlocksWhenTheTopScoreGrowsAndTake
     for (Isa isa : kernels::supported_isas()) {
       at::Tensor got = kernels::decode_attention_on(isa, qs, k, v, real, keys - s, 0.125);
       EXPECT_LT((got.to(at::kDouble) - want).abs().max().item<double>(), 2e-5) << kernels::isa_name(isa) << " s " << s;
+    }
+  }
+}
+
+// A real key whose score is NaN makes its column NaN, as a softmax over the scores does, also when
+// it comes before any finite score and the rest of its block is padding (the running maximum
+// passes NaNs by, so that block has no top score of its own).
+TEST(CpuKernels, DecodeAttentionWithANanScoreIsNanWhereverTheKeyIs) {
+  at::manual_seed(11);
+  const int64_t keys = 100, d = 64;
+  at::Tensor q = at::randn({1, 2, 1, d}), v = at::randn({1, 1, keys, d});
+  for (int64_t nan_key : {0, 70, 99}) {
+    at::Tensor k = at::randn({1, 1, keys, d});
+    k[0][0][nan_key].fill_(std::numeric_limits<float>::quiet_NaN());
+    at::Tensor real = at::ones({1, keys}, at::kBool);
+    if (nan_key == 0) real[0].narrow(0, 1, 63).fill_(false);  // the rest of its block is padding
+    for (Isa isa : kernels::supported_isas()) {
+      at::Tensor got = kernels::decode_attention_on(isa, q, k, v, real, keys - 1, 0.125);
+      EXPECT_TRUE(at::isnan(got).all().item<bool>()) << kernels::isa_name(isa) << " NaN key " << nan_key;
     }
   }
 }

@@ -2,7 +2,8 @@
 
 // CPU kernels of the decode step: a linear for a few rows that reads each weight once for all
 // of them (f32, bf16 or f16 weights, f32 accumulation), and attention of a few query columns over
-// a KV cache in one pass over K and one over V per KV head (grouped query heads share the pass);
+// a KV cache in one pass over its keys and values per KV head (blocks of 64 keys, a running
+// softmax; grouped query heads share the pass);
 // and the row kernels prefill uses too (RMSNorm, SwiGLU's product, rotary, the scaled softmax).
 // Each has an AVX-512, an AVX2 (+FMA, F16C) and a portable path, chosen at run time from what the
 // CPU supports; VLMGEN_CPU_ISA=portable|avx2|avx512 caps the choice, and VLMGEN_CPU_ISA=aten
@@ -42,7 +43,8 @@ bool enabled();
 
 /// Whether products of few rows (on AVX-512 1 to 3 rows with float32 weights, 1 to 2 with 16-bit
 /// and 1 with FP8 ones; on AVX2 1 row with float32 or 16-bit weights) read their weight rows as
-/// four streams far apart (tiles of outputs a quarter of the matrix apart) instead of tiles of
+/// four streams far apart (tiles of outputs a quarter of a thread's range, or of an FP8 row block,
+/// apart) instead of tiles of
 /// adjacent rows with software prefetch. The results have the same bits either way; only the
 /// speed differs. On by default on AMD CPUs (whose hardware prefetcher keeps several streams going
 /// but follows adjacent rows badly: one row's 85 products of the bench's model ran 1.2-1.6x faster),
