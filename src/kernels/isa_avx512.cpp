@@ -23,6 +23,7 @@ struct Avx512 {
   // 85 products of the bench's 100M model, interleaved, far streams vs adjacent tiles: 1 row f32
   // 11.7 / 15.5 ms, bf16 5.6 / 8.7, E4M3 4.2 / 4.9; 2 rows f32 13.0 / 17.6, bf16 6.2 / 8.9, E4M3
   // 5.0 / 5.1; 3 rows f32 15.4 / 18.4, bf16 9.2 / 8.7, E4M3 6.6 / 6.0; 4 rows slower for all.
+  // (1 row of E4M3 in 128 x 128 blocks, streaming across row blocks since: 3.0-3.1 / 3.3-3.6.)
   template <WeightType T>
   static constexpr int64_t kStreamRows = T == WeightType::kF32
                                              ? 3

@@ -123,6 +123,8 @@ struct TilePrefetch {
   int64_t pos = 0;       // several passes: the next byte to fetch
   int64_t end = 0;       // several passes: the next tile's bytes
 
+  TilePrefetch() = default;  // none
+
   /// A tile of `tile_rows` weight rows of `row_bytes` at `w`, input rows from r, `steps` steps a
   /// pass (row tiles of `row_tile` rows).
   TilePrefetch(const RowsLinear& a, const void* w, int64_t o, int tile_rows, int64_t row_bytes, int64_t r, int row_tile,
@@ -301,6 +303,33 @@ bool streams_rows(const RowsLinear& a) {
   return a.one_stream && a.rows <= Vec::template kStreamRows<T>;
 }
 
+/// A tile's sums: the vector accumulators' lanes added, the scalar tail (i >= vector_end) with its
+/// scales, the bias; into a.y.
+template <class Vec, WeightType T, int OT, int RT>
+void store_tile(const RowsLinear& a, const TileOutputs& t, int64_t r, ScaleMode mode, int64_t vector_end,
+                typename Vec::V (&acc)[OT][RT]) {
+  const int64_t in = a.in;
+  for (int oo = 0; oo < OT; ++oo) {
+    const int64_t o = t.at(oo);
+    for (int rr = 0; rr < RT; ++rr) {
+      float s = Vec::sum(acc[oo][rr]);
+      const float* x = a.x + (r + rr) * a.ldx;
+      if (mode == ScaleMode::kAtEnd) {  // one scale for the whole row
+        for (int64_t i = vector_end; i < in; ++i) s += weight_at<T>(a.w, o * in + i) * x[i];
+        s *= fp8_scale_at(a.fp8, o, 0);
+      } else {
+        for (int64_t i = vector_end; i < in; ++i) {
+          float w = weight_at<T>(a.w, o * in + i);
+          if (mode != ScaleMode::kNone) w *= fp8_scale_at(a.fp8, o, i);
+          s += w * x[i];
+        }
+      }
+      if (a.bias != nullptr) s += a.bias[o];
+      a.y[(r + rr) * a.ldy + o] = s;
+    }
+  }
+}
+
 /// Outputs t.at(0..OT) of rows [r, r + RT): each weight vector is loaded once for the RT rows.
 template <class Vec, WeightType T, int OT, int RT>
 void linear_tile(const RowsLinear& a, const TileOutputs& t, int64_t r) {
@@ -335,25 +364,7 @@ void linear_tile(const RowsLinear& a, const TileOutputs& t, int64_t r) {
     tile_loops<Vec, T, OT, RT, true>(a, t, r, begin, vector_end, mode, acc, prefetch);
   else
     tile_loops<Vec, T, OT, RT, false>(a, t, r, begin, vector_end, mode, acc, prefetch);
-  for (int oo = 0; oo < OT; ++oo) {
-    const int64_t o = t.at(oo);
-    for (int rr = 0; rr < RT; ++rr) {
-      float s = Vec::sum(acc[oo][rr]);
-      const float* x = a.x + (r + rr) * a.ldx;
-      if (mode == ScaleMode::kAtEnd) {  // one scale for the whole row
-        for (int64_t i = vector_end; i < in; ++i) s += weight_at<T>(a.w, o * in + i) * x[i];
-        s *= fp8_scale_at(a.fp8, o, 0);
-      } else {
-        for (int64_t i = vector_end; i < in; ++i) {
-          float w = weight_at<T>(a.w, o * in + i);
-          if (mode != ScaleMode::kNone) w *= fp8_scale_at(a.fp8, o, i);
-          s += w * x[i];
-        }
-      }
-      if (a.bias != nullptr) s += a.bias[o];
-      a.y[(r + rr) * a.ldy + o] = s;
-    }
-  }
+  store_tile<Vec, T, OT, RT>(a, t, r, mode, vector_end, acc);
 }
 
 /// Every row for the tile's outputs.

@@ -243,14 +243,17 @@ TEST(CpuKernels, Fp8LinearAndWideningMatchTheFormatDefinitionOnEveryPathAndScale
 }
 
 // FP8 products read their weights as far-apart streams too (1 row on AVX-512 by default on AMD
-// CPUs): a stream's tiles keep to one row block, whose prepared inputs carry its scales as a run
-// of adjacent tiles does, so the bits are those of adjacent tiles; per tensor, per 128 x 128 block,
-// per 32 x 32 block (inputs not prepared: lines straddle column blocks), and 2 x 64 blocks over 216
-// columns (one-output tiles, a vector tail).
+// CPUs): with 1 row the streams cross row blocks and each output scales its inputs by its own
+// block's scale in the tile (far_block_tile), else a stream's tiles keep to one row block, whose
+// prepared inputs carry its scales as a run of adjacent tiles does; either way the bits are those
+// of adjacent tiles. Per tensor, per 128 x 128 block (130 outputs: the streams in one block; 520:
+// each stream in other blocks and crossing their edges), per 32 x 32 block (lines straddle column
+// blocks: streams within row blocks), and 2 x 64 blocks over 216 columns (a tile's 4 outputs in 4
+// blocks, one-output tiles, a vector tail).
 TEST(CpuKernels, Fp8ProductsGiveTheSameBitsWhetherTheyStreamWeightRows) {
   at::manual_seed(14);
   for (auto [out, in, block_out, block_in] : std::vector<std::array<int64_t, 4>>{
-           {130, 768, 128, 128}, {130, 768, 32, 32}, {70, 2048, 70, 2048}, {64, 216, 2, 64}}) {
+           {130, 768, 128, 128}, {520, 768, 128, 128}, {130, 768, 32, 32}, {70, 2048, 70, 2048}, {64, 216, 2, 64}}) {
     auto [bytes, q] = random_fp8(out, in, block_out, block_in, false);
     for (int64_t rows : {1, 2, 3, 4, 16}) {
       const at::Tensor x = at::randn({rows, in});
