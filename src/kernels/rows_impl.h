@@ -130,7 +130,7 @@ void far_block_tile(const RowsLinear& a, const int64_t (&o)[Vec::kOutTile], cons
   for (int s = 0; s < OT; ++s) acc[s][0] = scales[s] = Vec::zero();
   int64_t column = -1, next = 0;
   for (int64_t i = 0; i < line_end; i += step) {
-    if (i == next) {  // lines never straddle a column block (prepares_inputs)
+    if (i == next) {  // block_in is a multiple of the line (rows_linear_typed)
       ++column;
       next += a.fp8.block_in;
       for (int s = 0; s < OT; ++s) scales[s] = Vec::set1(grid_rows[s][column] * a.fp8.factor);  // fp8_scale_at
