@@ -195,7 +195,8 @@ void rows_linear_typed(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
   const bool far = streams_rows<Vec, T>(a);
   if constexpr (is_fp8(T) && Vec::kWholeLines) {
     constexpr int64_t line = kLineParts<T> * Vec::kLanes;
-    if (far && a.rows == 1 && a.in >= line && a.fp8.block_in < a.in && a.fp8.block_in % line == 0)
+    if (far && a.rows == 1 && a.in >= line && a.in - a.in % line <= kMaxPreparedFloats && a.fp8.block_in < a.in &&
+        a.fp8.block_in % line == 0 && o_end - o_begin >= Vec::kOutTile)
       return far_across_blocks<Vec, T>(a, o_begin, o_end);
   }
   rows_linear_runs<Vec, T>(a, o_begin, o_end, far);

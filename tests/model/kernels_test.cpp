@@ -243,33 +243,42 @@ TEST(CpuKernels, Fp8LinearAndWideningMatchTheFormatDefinitionOnEveryPathAndScale
 }
 
 // FP8 products read their weights as far-apart streams too (1 row on AVX-512 by default on AMD
-// CPUs): with 1 row the streams cross row blocks and each output scales its inputs by its own
-// block's scale in the tile (far_block_tile), else a stream's tiles keep to one row block, whose
-// prepared inputs carry its scales as a run of adjacent tiles does; either way the bits are those
-// of adjacent tiles. Per tensor, per 128 x 128 block (130 outputs: the streams in one block; 520:
-// each stream in other blocks and crossing their edges), per 32 x 32 block (lines straddle column
-// blocks: streams within row blocks), and 2 x 64 blocks over 216 columns (a tile's 4 outputs in 4
-// blocks, one-output tiles, a vector tail).
+// CPUs): where column blocks are whole lines the streams cross row blocks and each output scales
+// its inputs by its own block's scale in the tile (far_block_tile), else a stream's tiles keep to
+// one row block, whose prepared inputs carry its scales as a run of adjacent tiles does; either
+// way the bits are those of adjacent tiles. Per tensor, per 128 x 128 block (130 outputs: on two
+// threads the second range starts inside a block; 520: each stream in other blocks and crossing
+// their edges), per 32 x 32 block (lines straddle column blocks: streams within row blocks), 2 x
+// 64 blocks over 216 columns (a tile's 4 outputs in 4 blocks, one-output tiles, a vector tail),
+// and 5 outputs (one tile of streams, one output left over); E4M3 and E5M2, with a bias.
 TEST(CpuKernels, Fp8ProductsGiveTheSameBitsWhetherTheyStreamWeightRows) {
   at::manual_seed(14);
-  for (auto [out, in, block_out, block_in] : std::vector<std::array<int64_t, 4>>{
-           {130, 768, 128, 128}, {520, 768, 128, 128}, {130, 768, 32, 32}, {70, 2048, 70, 2048}, {64, 216, 2, 64}}) {
-    auto [bytes, q] = random_fp8(out, in, block_out, block_in, false);
-    for (int64_t rows : {1, 2, 3, 4, 16}) {
-      const at::Tensor x = at::randn({rows, in});
-      for (Isa isa : kernels::supported_isas()) {
-        SCOPED_TRACE(testing::Message() << kernels::isa_name(isa) << " rows " << rows << " [" << out << ", " << in
-                                        << "] blocks " << block_out << " x " << block_in);
-        at::Tensor tiles;
-        {
-          StreamsWeightRows setting(false);
-          tiles = kernels::linear_on(isa, x, bytes, {}, q);
+  for (auto [out, in, block_out, block_in] : std::vector<std::array<int64_t, 4>>{{130, 768, 128, 128},
+                                                                                 {520, 768, 128, 128},
+                                                                                 {130, 768, 32, 32},
+                                                                                 {70, 2048, 70, 2048},
+                                                                                 {64, 216, 2, 64},
+                                                                                 {5, 256, 1, 64}}) {
+    for (bool e5m2 : {false, true}) {
+      auto [bytes, q] = random_fp8(out, in, block_out, block_in, e5m2);
+      const at::Tensor bias = at::randn({out});
+      for (int64_t rows : {1, 2, 3, 4, 16}) {
+        const at::Tensor x = at::randn({rows, in});
+        for (Isa isa : kernels::supported_isas()) {
+          SCOPED_TRACE(testing::Message()
+                       << kernels::isa_name(isa) << (e5m2 ? " e5m2" : " e4m3") << " rows " << rows << " [" << out
+                       << ", " << in << "] blocks " << block_out << " x " << block_in);
+          at::Tensor tiles;
+          {
+            StreamsWeightRows setting(false);
+            tiles = kernels::linear_on(isa, x, bytes, bias, q);
+          }
+          StreamsWeightRows setting(true);
+          const at::Tensor streamed = kernels::linear_on(isa, x, bytes, bias, q);
+          EXPECT_TRUE(at::equal(streamed, tiles)) << "max |diff| " << (streamed - tiles).abs().max().item<double>();
+          EXPECT_TRUE(at::equal(kernels::linear_on(isa, x.narrow(0, rows - 1, 1), bytes, bias, q),
+                                streamed.narrow(0, rows - 1, 1)));
         }
-        StreamsWeightRows setting(true);
-        const at::Tensor streamed = kernels::linear_on(isa, x, bytes, {}, q);
-        EXPECT_TRUE(at::equal(streamed, tiles)) << "max |diff| " << (streamed - tiles).abs().max().item<double>();
-        EXPECT_TRUE(at::equal(kernels::linear_on(isa, x.narrow(0, rows - 1, 1), bytes, {}, q),
-                              streamed.narrow(0, rows - 1, 1)));
       }
     }
   }
