@@ -220,8 +220,7 @@ void internal::linear_rows(Isa isa, const float* x, int64_t ldx, int64_t rows, c
   if (rows <= 0 || out_features <= 0) return;
   const raw::RowsLinear a{x,    ldx, rows, weight.data_ptr(), weight_type(weight, fp8), in,
                           bias, y,   ldy,  out_features,      raw_scales(grid, fp8),    streams_weight_rows()};
-  if (fp8.defined() && rows >= internal::kFp8WidenedRows && in > 0)
-    return internal::fp8_rows_widened(isa, a, weight, grid, fp8);
+  if (fp8.defined() && rows >= kFp8WidenedRows && in > 0) return internal::fp8_rows_widened(isa, a, weight, grid, fp8);
   // About 64 KiB of weights per task, in whole output tiles of 4.
   const int64_t row_bytes = std::max<int64_t>(1, in * static_cast<int64_t>(weight.element_size()));
   const int64_t grain = std::max<int64_t>(4, (65536 / row_bytes + 3) / 4 * 4);

@@ -70,8 +70,6 @@ void widen_rows(Isa isa, const at::Tensor& weight, const Fp8Scales& fp8, const a
 void run_rows_linear(Isa isa, const raw::RowsLinear& a, int64_t begin, int64_t end);
 void run_widen(Isa isa, const raw::WidenArgs& a, int64_t begin, int64_t end);
 
-/// linear_rows widens FP8 weights for this many rows or more once per call (many_rows.cpp).
-constexpr int64_t kFp8WidenedRows = 24;
 /// a (FP8 weights, their scales `grid`) computed over the weights widened a chunk of outputs at a
 /// time into a buffer each thread keeps, on the ATen threads.
 void fp8_rows_widened(Isa isa, const raw::RowsLinear& a, const at::Tensor& weight, const at::Tensor& grid,

@@ -16,9 +16,10 @@
 //
 // More rows (a prefill's, the vision tower's) run on GEMM tiles of the same paths (AVX2, AVX-512;
 // a 16-bit or FP8 weight widened a block at a time); on the portable path, other devices and
-// other dtypes they go to ATen. Among calls of more than max_fast_rows rows on one path, a row's
-// result is the same whatever other rows it comes with (the path a call takes depends on its row
-// count, and the decode kernels and the tiles round differently).
+// other dtypes they go to ATen. Among calls of more than max_fast_rows rows on one path, and
+// among calls of at most max_row_invariant_rows, a row's result is the same whatever other rows
+// it comes with (the path a call takes depends on its row count, and the decode kernels and the
+// tiles round differently).
 
 #include <ATen/ATen.h>
 
@@ -73,6 +74,15 @@ constexpr int64_t kMaxFastRowsNarrow = 64;
 /// bytes).
 constexpr int64_t max_fast_rows(at::ScalarType weight_dtype) {
   return weight_dtype == at::kFloat ? kMaxFastRows : kMaxFastRowsNarrow;
+}
+/// FP8 products of this many rows or more on the decode kernels widen the weights once per call
+/// and multiply float32 weights (each weight times its scale, rounded), where fewer rows scale the
+/// inputs: other roundings.
+constexpr int64_t kFp8WidenedRows = 24;
+/// The most rows a call of linear() may have for each of its rows to get the bits that row gets
+/// alone (on the kernels): max_fast_rows, and below kFp8WidenedRows for FP8 bytes.
+constexpr int64_t max_row_invariant_rows(at::ScalarType weight_dtype) {
+  return weight_dtype == at::kByte ? kFp8WidenedRows - 1 : max_fast_rows(weight_dtype);
 }
 
 /// x [..., in] (float32) times weight [out, in] (float32, bfloat16 or float16, contiguous; or FP8
