@@ -143,13 +143,16 @@ std::vector<at::Tensor> QwenVl::forward_batch(const std::vector<const ForwardArg
            call->images.empty() && call->input_ids.defined() && !(sequence_split && call->input_ids.size(-1) > 1);
   }
   if (!fuse) return CausalVlm::forward_batch(calls);
-  // On the CPU kernels a pass takes at most as many tokens as the few-row linear takes with the
-  // roundings of one row (FP8: below the rows that widen the weights), so every call's logits
-  // come from the same arithmetic as when it runs alone, and a request's tokens do not depend on
-  // what it was batched with.
-  const int64_t cap = device().is_cpu() && kernels::enabled()
-                          ? kernels::max_row_invariant_rows(keeps_fp8() ? at::kByte : weights_dtype())
-                          : std::numeric_limits<int64_t>::max();
+  // On the CPU kernels a pass takes at most as many tokens as every linear of the model takes
+  // with the roundings of one row (FP8: below the rows that widen the weights; an FP8 model's
+  // unquantized layers keep their own dtype's limit), so every call's logits come from the same
+  // arithmetic as when it runs alone, and a request's tokens do not depend on what it was
+  // batched with.
+  int64_t cap = std::numeric_limits<int64_t>::max();
+  if (device().is_cpu() && kernels::enabled()) {
+    cap = kernels::max_row_invariant_rows(weights_dtype());
+    if (keeps_fp8()) cap = std::min(cap, kernels::max_row_invariant_rows(at::kByte));
+  }
   std::vector<at::Tensor> out(calls.size());
   for (size_t first = 0; first < calls.size();) {
     size_t last = first + 1;
