@@ -36,56 +36,75 @@ struct Avx512 {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
   static constexpr bool kWholeLines = true;
+  // A line's bits as load_line takes them apart: each part is then one or two operations away
+  // (line_part), so a tile can hold its outputs' lines in fewer registers than their parts.
+  // bfloat16: the line twice; E4M3: two vectors of bfloat16 (weights 4j and 4j + 2, then 4j + 1
+  // and 4j + 3); E5M2: two vectors of halves. `fix`: E4M3 bytes with a zero exponent in the line
+  // (see fix_zero_exponent), which line_part leaves unfixed.
+  struct LineBits {
+    __m512i even, odd;
+    bool fix;
+  };
+  template <WeightType T>
+  static LineBits line_bits(const void* p) {
+    const __m512i w = _mm512_loadu_si512(p);
+    if constexpr (T == WeightType::kBF16) {
+      return {w, w, false};
+    } else if constexpr (T == WeightType::kE4M3) {
+      // Each byte, sign-extended to 16 bits and shifted left by 4, has its exponent and mantissa
+      // in a bfloat16's low exponent bits and mantissa; keeping the sign and those bits and
+      // setting exponent bits 4-6 (112, one ternary-logic op) gives 2^-8 times the byte's value
+      // (the factor 256 of the scales, as for halves) wherever the byte's exponent is not zero.
+      // Then a shift or a mask widens each bfloat16 to a float. 9 operations a line instead of 13
+      // through halves (cvtph2ps is two); a decode step's FP8 products ran 8-10% faster in a
+      // microbenchmark.
+      const __m512i keep = _mm512_set1_epi16(static_cast<int16_t>(0x87f0));
+      const __m512i bias = _mm512_set1_epi16(0x3800);
+      const __m512i even = _mm512_ternarylogic_epi32(_mm512_srai_epi16(_mm512_slli_epi16(w, 8), 4), keep, bias, 0xea);
+      const __m512i odd = _mm512_ternarylogic_epi32(_mm512_srai_epi16(w, 4), keep, bias, 0xea);  // (a & b) | c
+      return {even, odd, _mm512_testn_epi8_mask(w, _mm512_set1_epi8(0x78)) != 0};
+    } else {
+      // Each byte as a half (see load_e5m2): the low byte of each 16-bit pair shifted to the top,
+      // the high byte in place.
+      return {_mm512_slli_epi16(w, 8), _mm512_and_si512(w, _mm512_set1_epi16(static_cast<int16_t>(0xff00))), false};
+    }
+  }
+  // Part K of a line (see load_line), right where bits.fix is false.
+  template <WeightType T, int K>
+  static V line_part(const LineBits& b) {
+    const __m512i half = K < kLineParts<T> / 2 ? b.even : b.odd;
+    if constexpr (T == WeightType::kE5M2)
+      return _mm512_cvtph_ps(K % 2 == 0 ? _mm512_castsi512_si256(half) : _mm512_extracti64x4_epi64(half, 1));
+    return _mm512_castsi512_ps(K % 2 == 0
+                                   ? _mm512_slli_epi32(half, 16)
+                                   : _mm512_and_si512(half, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+  }
   // A line's parts: bfloat16, the even- then the odd-numbered of its 32 weights; E4M3, weights 4j,
   // 4j + 2, 4j + 1 and 4j + 3 (j < 16); E5M2, read as 32 pairs of bytes, the even-numbered bytes
   // of its first and second halves, then the odd-numbered of each. split_inputs<T> puts the
   // inputs in the same order.
   template <WeightType T>
   static void load_line(const void* p, V (&parts)[kLineParts<T>]) {
-    const __m512i w = _mm512_loadu_si512(p);
-    if constexpr (T == WeightType::kBF16) {
-      parts[0] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-      parts[1] = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
-    } else if constexpr (T == WeightType::kE4M3) {
-      // Each byte, sign-extended to 16 bits and shifted left by 4, has its exponent and mantissa
-      // in a bfloat16's low exponent bits and mantissa; keeping the sign and those bits and
-      // setting exponent bits 4-6 (112, one ternary-logic op) gives 2^-8 times the byte's value
-      // (the factor 256 of the scales, as for halves) wherever the byte's exponent is not zero.
-      // Then a shift or a mask widens each bfloat16 to a float. 9 operations a line instead of 13 through halves
-      // (cvtph2ps is two); a decode step's FP8 products ran 8-10% faster in a microbenchmark.
-      const __m512i keep = _mm512_set1_epi16(static_cast<int16_t>(0x87f0));
-      const __m512i bias = _mm512_set1_epi16(0x3800);
-      const __m512i even = _mm512_ternarylogic_epi32(_mm512_srai_epi16(_mm512_slli_epi16(w, 8), 4), keep, bias, 0xea);
-      const __m512i odd = _mm512_ternarylogic_epi32(_mm512_srai_epi16(w, 4), keep, bias, 0xea);  // (a & b) | c
-      const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
-      parts[0] = _mm512_castsi512_ps(_mm512_slli_epi32(even, 16));
-      parts[1] = _mm512_castsi512_ps(_mm512_and_si512(even, high));
-      parts[2] = _mm512_castsi512_ps(_mm512_slli_epi32(odd, 16));
-      parts[3] = _mm512_castsi512_ps(_mm512_and_si512(odd, high));
-      if (_mm512_testn_epi8_mask(w, _mm512_set1_epi8(0x78)) != 0) fix_zero_exponents(parts);
-    } else {
-      // Each byte as a half (see load_e5m2): the low byte of each 16-bit pair shifted to the top,
-      // the high byte in place.
-      const __m512i even = _mm512_slli_epi16(w, 8);
-      const __m512i odd = _mm512_and_si512(w, _mm512_set1_epi16(static_cast<int16_t>(0xff00)));
-      parts[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(even));
-      parts[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(even, 1));
-      parts[2] = _mm512_cvtph_ps(_mm512_castsi512_si256(odd));
-      parts[3] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(odd, 1));
+    const LineBits b = line_bits<T>(p);
+    parts[0] = line_part<T, 0>(b);
+    parts[1] = line_part<T, 1>(b);
+    if constexpr (kLineParts<T> == 4) {
+      parts[2] = line_part<T, 2>(b);
+      parts[3] = line_part<T, 3>(b);
     }
+    if (b.fix)
+      for (V& x : parts) x = fix_zero_exponent(x);
   }
   // E4M3 bytes with a zero exponent (zero and the subnormals m * 2^-9) read in load_line as
   // +-(2^-15 + m * 2^-18) (the exponent field's 112 and an implicit 1): 2^-8 times their value is
   // +-m * 2^-17 = 2x -+ 2^-14, exact (a negative zero comes out +0, which no sum can tell).
   // Lines that hold one (rare in amax-scaled weights) take this.
-  static void fix_zero_exponents(V (&parts)[4]) {
-    for (V& x : parts) {
-      const __m512i bits = _mm512_castps_si512(x);
-      const __mmask16 zero_exponent = _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(0x07800000));
-      const __m512i offset = _mm512_ternarylogic_epi32(bits, _mm512_set1_epi32(static_cast<int32_t>(0x80000000u)),
-                                                       _mm512_set1_epi32(0x38800000), 0xea);  // 2^-14 with x's sign
-      x = _mm512_mask_fmsub_ps(x, zero_exponent, _mm512_set1_ps(2.0f), _mm512_castsi512_ps(offset));
-    }
+  static V fix_zero_exponent(V x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __mmask16 zero_exponent = _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(0x07800000));
+    const __m512i offset = _mm512_ternarylogic_epi32(bits, _mm512_set1_epi32(static_cast<int32_t>(0x80000000u)),
+                                                     _mm512_set1_epi32(0x38800000), 0xea);  // 2^-14 with x's sign
+    return _mm512_mask_fmsub_ps(x, zero_exponent, _mm512_set1_ps(2.0f), _mm512_castsi512_ps(offset));
   }
   template <WeightType T>
   static void split_inputs(const float* p, V (&parts)[kLineParts<T>]) {

@@ -9,7 +9,8 @@
 //   neg_abs(v) (-|v|), div(a, b), max(a, b) (maxps: b where either is NaN), select_negative(c, a, b)
 //   (a where c < 0, else b),
 //   kWholeLines and, where it is true, load_line<T>(p, parts) (a 64-byte line of bfloat16 or FP8
-//   weights widened to kLineParts<T> vectors in an order of its own) and split_inputs<T>(p, parts)
+//   weights widened to kLineParts<T> vectors in an order of its own), the same in two stages
+//   (LineBits, line_bits<T>(p), line_part<T, K>(bits): part K) and split_inputs<T>(p, parts)
 //   (as many floats split into the same order); kLaneSums and, where it is true, lane_sums(acc)
 //   (lane j: sum(acc[j]) for kLanes vectors, the same bits); kStreamRows<T> (see streams_rows).
 // Included only by those files (see raw_kernels.h); it uses no inline function of another
@@ -93,10 +94,9 @@ inline float fp8_scale_at(const Fp8Scales& q, int64_t o, int64_t i) {
 
 /// Where an FP8 tile applies its scales. kAtEnd: one column block (per tensor or per output
 /// channel), each output's sum is scaled once. kToInput: the tile's outputs share a row block, so
-/// the input vectors are scaled per column block (RT multiplies per step, not OT). kToWeights:
-/// each weight vector is scaled (a tile across a row-block edge; rows_linear_runs keeps every tile
-/// within a row block, so it makes none). kNone: not FP8.
-enum class ScaleMode { kNone, kAtEnd, kToInput, kToWeights };
+/// the input vectors are scaled per column block (RT multiplies per step, not OT): every tile lies
+/// within one row block (rows_linear_runs and far_across_blocks make no other). kNone: not FP8.
+enum class ScaleMode { kNone, kAtEnd, kToInput };
 
 /// How many vectors one 64-byte cache line of T's weights widens to: 2 for 16-bit, 4 for FP8.
 template <WeightType T>
@@ -163,6 +163,15 @@ struct TileOutputs {
   int64_t at(int oo) const { return o + oo * stride; }
 };
 
+/// f(std::integral_constant<int, K>) for K = 0, ..., N - 1, in order (a line's parts).
+template <int N, int K = 0, class F>
+[[gnu::always_inline]] inline void for_parts(F&& f) {
+  if constexpr (K < N) {
+    f(std::integral_constant<int, K>());
+    for_parts<N, K + 1>(f);
+  }
+}
+
 /// The part of a tile over i < line_end (a multiple of the line's elements, whole scale blocks for
 /// FP8) a whole cache line of each weight row per step: one load gives kLineParts<T> vectors of
 /// weights in an interleaved order (Vec::load_line: shifts and masks, fewer shuffles), and each
@@ -170,9 +179,14 @@ struct TileOutputs {
 /// split (and scaled) from the tile's prepared inputs (then M is kNone). A 64-byte
 /// load is a whole cache line where a row's bytes are a multiple of 64. bf16 decode ran 6-8%
 /// faster this way than widening half a line at a time; FP8 through halves showed no measurable
-/// change, E4M3 through bfloat16 (Vec::load_line) gains 8-10% (with 4 input rows FP8's 16
-/// accumulators, 16 split inputs and 4 weight vectors exceed 32 registers, so the compiler
-/// spills). Scales as in tile_loop.
+/// change, E4M3 through bfloat16 (Vec::load_line) gains 8-10%. With prepared inputs a step takes
+/// the lines' parts one at a time over the tile (Vec::line_bits, line_part; each sum still adds
+/// the parts in order, the same bits): the OT lines' bits, RT inputs and the OT x RT sums fit in
+/// registers where OT x N parts and RT x N inputs did not. 4 rows of E4M3 in 128 x 128 blocks,
+/// weights in L2, medians of 5 alternated runs: 6.78-7.33 -> 6.41-6.51 ms per 88M weights; the
+/// bench model's FP8 decode step at batch 4, 4 alternations: 9.5-11.3 -> 8.7-9.9 ms; bf16 within
+/// the noise. Lines with E4M3 zero exponents (see Vec::load_line) take load_line. Scales as in
+/// tile_loop.
 template <class Vec, WeightType T, int OT, int RT, ScaleMode M, bool kInOrder>
 void tile_loop_lines(const RowsLinear& a, const TileOutputs& t, int64_t r, int64_t line_end,
                      typename Vec::V (&acc)[OT][RT], TilePrefetch& prefetch_state) {
@@ -181,25 +195,45 @@ void tile_loop_lines(const RowsLinear& a, const TileOutputs& t, int64_t r, int64
   constexpr int64_t step = N * Vec::kLanes;
   const int64_t in = a.in;
   const auto* w = static_cast<const WeightElement<T>*>(a.w);
-  [[maybe_unused]] V scales[OT];
   [[maybe_unused]] V input_scale = Vec::zero();
   TilePrefetch prefetch = prefetch_state;
   for (int64_t i = 0; i < line_end; i += step) {
     prefetch_step<OT, kInOrder>(prefetch, i * static_cast<int64_t>(sizeof(WeightElement<T>)));
-    if constexpr (M == ScaleMode::kToWeights || M == ScaleMode::kToInput) {
-      if (i % a.fp8.block_in == 0) {  // a line never crosses a block (see line_end)
-        if constexpr (M == ScaleMode::kToWeights)
-          for (int oo = 0; oo < OT; ++oo) scales[oo] = Vec::set1(fp8_scale_at(a.fp8, t.at(oo), i));
-        else
-          input_scale = Vec::set1(fp8_scale_at(a.fp8, t.o, i));
+    if constexpr (M == ScaleMode::kToInput) {
+      if (i % a.fp8.block_in == 0)
+        input_scale = Vec::set1(fp8_scale_at(a.fp8, t.o, i));  // a line never crosses a block
+    }
+    if (t.prepared != nullptr) {  // split (and scaled) once for the run (M is kNone)
+      typename Vec::LineBits bits[OT];
+      bool fix = false;
+      for (int oo = 0; oo < OT; ++oo) {
+        bits[oo] = Vec::template line_bits<T>(w + t.at(oo) * in + i);
+        fix = fix || bits[oo].fix;
       }
+      const float* x = t.prepared + r * line_end + i;
+      if (!fix) {  // part by part: OT lines' bits in registers instead of OT x N parts
+        for_parts<N>([&](auto part) {
+          constexpr int k = decltype(part)::value;
+          V xk[RT];
+          for (int rr = 0; rr < RT; ++rr) xk[rr] = Vec::load(x + rr * line_end + k * Vec::kLanes);
+          for (int oo = 0; oo < OT; ++oo) {
+            const V wk = Vec::template line_part<T, k>(bits[oo]);
+            for (int rr = 0; rr < RT; ++rr) acc[oo][rr] = Vec::fma(wk, xk[rr], acc[oo][rr]);
+          }
+        });
+        continue;
+      }
+      for (int oo = 0; oo < OT; ++oo) {  // E4M3 with a zero exponent in a line: load_line fixes them
+        V ws[N];
+        Vec::template load_line<T>(w + t.at(oo) * in + i, ws);
+        for (int k = 0; k < N; ++k)
+          for (int rr = 0; rr < RT; ++rr)
+            acc[oo][rr] = Vec::fma(ws[k], Vec::load(x + rr * line_end + k * Vec::kLanes), acc[oo][rr]);
+      }
+      continue;
     }
     V xs[RT][N];
     for (int rr = 0; rr < RT; ++rr) {
-      if (t.prepared != nullptr) {  // split (and scaled) once for the run (M is kNone)
-        for (int k = 0; k < N; ++k) xs[rr][k] = Vec::load(t.prepared + (r + rr) * line_end + i + k * Vec::kLanes);
-        continue;
-      }
       Vec::template split_inputs<T>(a.x + (r + rr) * a.ldx + i, xs[rr]);
       if constexpr (M == ScaleMode::kToInput)
         for (int k = 0; k < N; ++k) xs[rr][k] = Vec::fma(xs[rr][k], input_scale, Vec::zero());
@@ -207,10 +241,8 @@ void tile_loop_lines(const RowsLinear& a, const TileOutputs& t, int64_t r, int64
     for (int oo = 0; oo < OT; ++oo) {
       V ws[N];
       Vec::template load_line<T>(w + t.at(oo) * in + i, ws);
-      for (int k = 0; k < N; ++k) {
-        if constexpr (M == ScaleMode::kToWeights) ws[k] = Vec::fma(ws[k], scales[oo], Vec::zero());
+      for (int k = 0; k < N; ++k)
         for (int rr = 0; rr < RT; ++rr) acc[oo][rr] = Vec::fma(ws[k], xs[rr][k], acc[oo][rr]);
-      }
     }
   }
   prefetch_state = prefetch;
@@ -224,23 +256,14 @@ void tile_loop(const RowsLinear& a, const TileOutputs& t, int64_t r, int64_t beg
   using V = typename Vec::V;
   constexpr int64_t L = Vec::kLanes;
   const int64_t in = a.in;
-  [[maybe_unused]] V scales[OT];                 // kToWeights: each output row's scale in the current block
   [[maybe_unused]] V input_scale = Vec::zero();  // kToInput: the tile's scale in the current block
-  if constexpr (M == ScaleMode::kToWeights)
-    for (int oo = 0; oo < OT; ++oo) scales[oo] = Vec::zero();  // set at i = begin
-  [[maybe_unused]] int64_t next_block = 0;                     // FP8: where the next column block of scales starts
+  [[maybe_unused]] int64_t next_block = 0;       // FP8: where the next column block of scales starts
   TilePrefetch prefetch = prefetch_state;
   for (int64_t i = begin; i < vector_end; i += L) {
     prefetch_step<OT, kInOrder>(prefetch, i * static_cast<int64_t>(sizeof(WeightElement<T>)));
     // block_in is a multiple of L: a block boundary starts a vector.
-    if constexpr (M == ScaleMode::kToWeights) {
-      if (i >= next_block) {  // at begin (maybe inside a block) and at each block's start
-        for (int oo = 0; oo < OT; ++oo) scales[oo] = Vec::set1(fp8_scale_at(a.fp8, t.at(oo), i));
-        next_block = (i / a.fp8.block_in + 1) * a.fp8.block_in;
-      }
-    }
     if constexpr (M == ScaleMode::kToInput) {
-      if (i >= next_block) {
+      if (i >= next_block) {  // at begin (maybe inside a block) and at each block's start
         input_scale = Vec::set1(fp8_scale_at(a.fp8, t.o, i));
         next_block = (i / a.fp8.block_in + 1) * a.fp8.block_in;
       }
@@ -252,7 +275,6 @@ void tile_loop(const RowsLinear& a, const TileOutputs& t, int64_t r, int64_t beg
     }
     for (int oo = 0; oo < OT; ++oo) {
       V w = load_weights<Vec, T>(a.w, t.at(oo) * in + i);
-      if constexpr (M == ScaleMode::kToWeights) w = Vec::fma(w, scales[oo], Vec::zero());
       for (int rr = 0; rr < RT; ++rr) acc[oo][rr] = Vec::fma(w, xv[rr], acc[oo][rr]);
     }
   }
@@ -274,9 +296,6 @@ void tile_loops(const RowsLinear& a, const TileOutputs& t, int64_t r, int64_t be
       case ScaleMode::kToInput:
         tile_loop_lines<Vec, T, OT, RT, ScaleMode::kToInput, kInOrder>(a, t, r, begin, acc, prefetch);
         break;
-      case ScaleMode::kToWeights:
-        tile_loop_lines<Vec, T, OT, RT, ScaleMode::kToWeights, kInOrder>(a, t, r, begin, acc, prefetch);
-        break;
     }
   }
   switch (mode) {
@@ -288,9 +307,6 @@ void tile_loops(const RowsLinear& a, const TileOutputs& t, int64_t r, int64_t be
       break;
     case ScaleMode::kToInput:
       tile_loop<Vec, T, OT, RT, ScaleMode::kToInput, kInOrder>(a, t, r, begin, vector_end, acc, prefetch);
-      break;
-    case ScaleMode::kToWeights:
-      tile_loop<Vec, T, OT, RT, ScaleMode::kToWeights, kInOrder>(a, t, r, begin, vector_end, acc, prefetch);
       break;
   }
 }
@@ -341,15 +357,7 @@ void linear_tile(const RowsLinear& a, const TileOutputs& t, int64_t r) {
   for (int oo = 0; oo < OT; ++oo)
     for (int rr = 0; rr < RT; ++rr) acc[oo][rr] = Vec::zero();
   ScaleMode mode = ScaleMode::kNone;
-  if constexpr (is_fp8(T)) {
-    if (a.fp8.block_in >= in) {
-      mode = ScaleMode::kAtEnd;
-    } else if (t.o / a.fp8.block_out == t.at(OT - 1) / a.fp8.block_out) {
-      mode = ScaleMode::kToInput;
-    } else {
-      mode = ScaleMode::kToWeights;
-    }
-  }
+  if constexpr (is_fp8(T)) mode = a.fp8.block_in >= in ? ScaleMode::kAtEnd : ScaleMode::kToInput;  // one row block
   // Whole cache lines first where the instruction set has them (for FP8 only where a line never
   // straddles two scale blocks), then vectors, then scalars.
   constexpr bool kLines = T != WeightType::kF32 && T != WeightType::kF16 && Vec::kWholeLines;

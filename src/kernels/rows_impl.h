@@ -44,7 +44,7 @@ bool prepares_inputs(const RowsLinear& a) {
 /// tile's vector operations: the 85 products of the bench's 100M model with FP8 weights on 4 rows
 /// went from 13.4 to 11.9 ms, on 1 row within the noise (memory-bound there). Runs stop at row
 /// blocks' edges (rows_linear_runs, prepared or not), so no tile straddles one (such tiles scaled
-/// their weights, kToWeights, and rounded differently from the rest of their blocks, depending on
+/// their weights instead, and rounded differently from the rest of their blocks, depending on
 /// where a thread's range began).
 template <class Vec, WeightType T>
 const float* prepare_inputs(const RowsLinear& a, int64_t o, float* buffer) {
