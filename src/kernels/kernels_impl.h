@@ -10,7 +10,8 @@
 //   (a where c < 0, else b),
 //   kWholeLines and, where it is true, load_line<T>(p, parts) (a 64-byte line of bfloat16 or FP8
 //   weights widened to kLineParts<T> vectors in an order of its own), the same in two stages
-//   (LineBits, line_bits<T>(p), line_part<T, K>(bits): part K) and split_inputs<T>(p, parts)
+//   (LineBits, line_bits<T>(p), line_part<T, K>(bits): part K, without load_line's fix of E4M3
+//   zero exponents, which LineBits::fix asks for) and split_inputs<T>(p, parts)
 //   (as many floats split into the same order); kLaneSums and, where it is true, lane_sums(acc)
 //   (lane j: sum(acc[j]) for kLanes vectors, the same bits); kStreamRows<T> (see streams_rows).
 // Included only by those files (see raw_kernels.h); it uses no inline function of another
@@ -181,8 +182,9 @@ template <int N, int K = 0, class F>
 /// faster this way than widening half a line at a time; FP8 through halves showed no measurable
 /// change, E4M3 through bfloat16 (Vec::load_line) gains 8-10%. With prepared inputs a step takes
 /// the lines' parts one at a time over the tile (Vec::line_bits, line_part; each sum still adds
-/// the parts in order, the same bits): the OT lines' bits, RT inputs and the OT x RT sums fit in
-/// registers where OT x N parts and RT x N inputs did not. 4 rows of E4M3 in 128 x 128 blocks,
+/// the parts in order, the same bits): the OT lines' bits (two vectors each), one part's RT inputs
+/// and the OT x RT sums fit in the 32 registers, where one line's N parts, all RT x N inputs and
+/// the sums (36 for E4M3 on 4 rows) did not. 4 rows of E4M3 in 128 x 128 blocks,
 /// weights in L2, medians of 5 alternated runs: 6.78-7.33 -> 6.41-6.51 ms per 88M weights; the
 /// bench model's FP8 decode step at batch 4, 4 alternations: 9.5-11.3 -> 8.7-9.9 ms; bf16 within
 /// the noise. Lines with E4M3 zero exponents (see Vec::load_line) take load_line. Scales as in
