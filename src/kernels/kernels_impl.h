@@ -213,7 +213,7 @@ void tile_loop_lines(const RowsLinear& a, const TileOutputs& t, int64_t r, int64
         fix = fix || bits[oo].fix;
       }
       const float* x = t.prepared + r * line_end + i;
-      if (!fix) {  // part by part: OT lines' bits in registers instead of OT x N parts
+      if (!fix) {  // part by part: the OT lines' bits in registers, one part's inputs at a time
         for_parts<N>([&](auto part) {
           constexpr int k = decltype(part)::value;
           V xk[RT];
