@@ -130,7 +130,8 @@ at::Tensor QwenVl::forward(const ForwardArgs& args) {
   // Without vision, placeholder tokens embed as ordinary tokens: the legacy step-zero behaviour
   // that the replay tests reproduce on purpose.
 
-  return run_language_model(hidden, window.positions, {window.segment}, deepstack, deepstack_rows).front();
+  // Moved: the embeddings are the stream's first value, not kept beside it for the whole stack.
+  return run_language_model(std::move(hidden), window.positions, {window.segment}, deepstack, deepstack_rows).front();
 }
 
 std::vector<at::Tensor> QwenVl::forward_batch(const std::vector<const ForwardArgs*>& calls) {

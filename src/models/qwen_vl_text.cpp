@@ -73,8 +73,8 @@ struct AttentionWindow {
 /// A few query columns on the CPU (decode): one pass over K and V per KV head in the kernel.
 /// Otherwise GQA without copying K/V per query head: query head i uses KV head i / groups, so the
 /// group's queries stack into one [g * S, D] matrix per KV head and each product is a plain
-/// batched matmul over [B * kv] (K and V read in place from the cache), in chunks of query
-/// columns, each with its own slice of the mask, so no tensor grows with S x K.
+/// (batched) matmul (K and V read in place from the cache), in chunks of query columns, each with
+/// its own slice of the mask, so no tensor grows with S x K.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionWindow& w) {
   const int64_t b = q.size(0), heads = q.size(1), s = q.size(2), head_dim = q.size(3);
   const int64_t kv_heads = k.size(1), keys = k.size(2), groups = heads / kv_heads;
@@ -95,7 +95,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const auto long_opts = at::TensorOptions().dtype(at::kLong).device(q.device());
   const at::Tensor key_cols = at::arange(w.key_begin, w.key_begin + keys, long_opts).unsqueeze(0);  // [1, K]
   const at::Tensor kt = k.transpose(-1, -2);
-  std::vector<at::Tensor> parts;
+  // Each chunk's output goes to its columns of one [B, S, heads, D] tensor, returned as its
+  // [B, heads, S, D] view: no list of parts and their concatenation beside it, and the caller's
+  // transpose back to [B, S, heads * D] is free.
+  at::Tensor out = at::empty({b, s, heads, head_dim}, q.options());
+  // KV heads per product: one on the CPU (a chunk's scores [B, g * n, seen] at a time, not
+  // [B, kv, g * n, seen]: the batched matmul runs one GEMM per KV head anyway, so the values are
+  // the same), all of them in one batched product elsewhere.
+  const int64_t per_product = q.device().is_cpu() ? 1 : kv_heads;
   for (int64_t c0 = 0; c0 < s; c0 += kAttentionChunk) {
     const int64_t n = std::min(kAttentionChunk, s - c0);
     // Keys after the chunk's last query column are blocked for all of its queries: left out (a
@@ -108,13 +115,18 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    .unsqueeze(0)
                                    .logical_and(w.key_real.narrow(1, 0, seen).unsqueeze(1))
                                    .logical_not();
-    at::Tensor q4 = q.narrow(2, c0, n).reshape({b, kv_heads, groups * n, head_dim});
-    at::Tensor scores = at::matmul(q4, kt.narrow(-1, 0, seen));  // [B, kv, g * n, seen]
-    scores.view({b, kv_heads, groups, n, seen}).masked_fill_(blocked.view({b, 1, 1, n, seen}), blocked_score);
-    kernels::scaled_softmax_into(scores, w.scale);  // masked: lowest * scale, e^-huge = 0
-    parts.push_back(at::matmul(scores, v.narrow(2, 0, seen)).view({b, heads, n, head_dim}));  // [B, heads, n, D]
+    for (int64_t h0 = 0; h0 < kv_heads; h0 += per_product) {
+      const int64_t qh = per_product * groups;  // query heads of these KV heads
+      at::Tensor q4 = q.narrow(2, c0, n).narrow(1, h0 * groups, qh).reshape({b, per_product, groups * n, head_dim});
+      at::Tensor scores = at::matmul(q4, kt.narrow(1, h0, per_product).narrow(-1, 0, seen));  // [B, per, g * n, seen]
+      scores.view({b, per_product, groups, n, seen}).masked_fill_(blocked.view({b, 1, 1, n, seen}), blocked_score);
+      kernels::scaled_softmax_into(scores, w.scale);  // masked: lowest * scale, e^-huge = 0
+      const at::Tensor part =
+          at::matmul(scores, v.narrow(1, h0, per_product).narrow(2, 0, seen)).view({b, qh, n, head_dim});
+      out.narrow(1, c0, n).narrow(2, h0 * groups, qh).copy_(part.transpose(1, 2));
+    }
   }
-  return parts.size() == 1 ? parts[0] : at::cat(parts, 2);
+  return out.transpose(1, 2);
 }
 
 /// Per segment: keys are the cached columns [0, window_start) plus the window; without a cache
@@ -248,6 +260,18 @@ void add_mlp_in_runs(at::Tensor& x, const at::Tensor& h, const qwen_vl::DecoderL
   }
 }
 
+/// x + y into the residual stream: in x's storage when x is a tensor the layer loop made (`owned`)
+/// and autograd records neither, else a new tensor (then owned). A prefill then keeps one stream
+/// instead of allocating a new [B, S, hidden] tensor per addition.
+void add_to_stream(at::Tensor& x, const at::Tensor& y, bool& owned) {
+  if (owned && !x.requires_grad() && !y.requires_grad() && x.is_contiguous()) {
+    x.add_(y);
+  } else {
+    x = x + y;
+    owned = true;
+  }
+}
+
 }  // namespace
 
 std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tensor& position_ids,
@@ -269,7 +293,7 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
   const std::vector<AttentionWindow> windows = attention_windows(segments, scale);
   // Attention of every segment over its own cache; q [b, heads, s, D], k and v [b, kv, s, D].
   const std::vector<int64_t> offsets = stream_offsets(segments);
-  auto attention = [&](int64_t layer, const at::Tensor& q, at::Tensor k, at::Tensor v) {
+  auto attention = [&](int64_t layer, at::Tensor q, at::Tensor k, at::Tensor v) {
     if (!one) return attend_segments(layer, q, k, v, segments, offsets, windows).view({b, s, heads * head_dim});
     if (segments[0].context != nullptr) std::tie(k, v) = segments[0].context->append_kv(layer, k, v);
     return attend(q, k, v, windows[0]).transpose(1, 2).reshape({b, s, heads * head_dim});
@@ -314,6 +338,7 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
   const bool run_fused = !fused.empty() && detail::fused_decode_fits(lm_, c, x, fused);
   if (run_fused) x = detail::fused_decode_layers(lm_, c, x, cos, sin, fused).view(x.sizes());
 
+  bool owned = false;  // whether x is a tensor of the loop's own (add_to_stream)
   for (size_t layer = 0; layer < lm_.layers.size() && !run_fused; ++layer) {
     const qwen_vl::DecoderLayer& w = lm_.layers[layer];
     at::Tensor h = whole(detail::apply_rms_norm(x, w.input_layernorm, c.rms_norm_eps));
@@ -326,9 +351,11 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
     q = q.transpose(1, 2);
     k = k.transpose(1, 2);
     at::Tensor v = detail::apply_linear(h, w.v_proj).view({b, s, kv_heads, head_dim}).transpose(1, 2);
+    h.reset();  // q, k and v moved into the attention: none of the four outlives its use
     q = detail::apply_rotary(q, cos, sin);
     k = detail::apply_rotary(k, cos, sin);
-    x = x + reduce(attention(static_cast<int64_t>(layer), q, k, v), w.o_proj);
+    add_to_stream(x, reduce(attention(static_cast<int64_t>(layer), std::move(q), std::move(k), std::move(v)), w.o_proj),
+                  owned);
 
     h = whole(detail::apply_rms_norm(x, w.post_attention_layernorm, c.rms_norm_eps));
     if (comm == nullptr && mlp_in_runs(x, h, w)) {
@@ -336,9 +363,9 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
     } else {
       at::Tensor gated = detail::apply_linear(h, w.gate_proj);
       kernels::silu_mul_into(gated, detail::apply_linear(h, w.up_proj));
-      x = x + reduce(gated, w.down_proj);
+      add_to_stream(x, reduce(gated, w.down_proj), owned);
     }
-    if (layer < deepstack_add.size()) x = x + deepstack_add[layer];
+    if (layer < deepstack_add.size()) add_to_stream(x, deepstack_add[layer], owned);
   }
   x = whole(detail::apply_rms_norm(x, lm_.norm, c.rms_norm_eps));
   // [B, S or 1, vocab] (vocab / tp under TP), float32
