@@ -260,15 +260,15 @@ void add_mlp_in_runs(at::Tensor& x, const at::Tensor& h, const qwen_vl::DecoderL
   }
 }
 
-/// x + y into the residual stream: in x's storage when nothing else holds x or its storage (the
-/// embeddings forward() moved in, or a sum the layers made) and autograd records neither, else a
-/// new tensor. A prefill then keeps one stream instead of allocating one per addition.
-void add_to_stream(at::Tensor& x, const at::Tensor& y) {
-  if (x.use_count() == 1 && x.storage().use_count() == 1 && x.is_contiguous() && !x.requires_grad() &&
-      !y.requires_grad()) {
+/// x + y into the residual stream: in x's storage when x is a tensor the layer loop made (`owned`)
+/// and autograd records neither, else a new tensor (then owned). A prefill then keeps one stream
+/// instead of allocating a new [B, S, hidden] tensor per addition.
+void add_to_stream(at::Tensor& x, const at::Tensor& y, bool& owned) {
+  if (owned && !x.requires_grad() && !y.requires_grad() && x.is_contiguous()) {
     x.add_(y);
   } else {
     x = x + y;
+    owned = true;
   }
 }
 
@@ -293,18 +293,10 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
   const std::vector<AttentionWindow> windows = attention_windows(segments, scale);
   // Attention of every segment over its own cache; q [b, heads, s, D], k and v [b, kv, s, D].
   const std::vector<int64_t> offsets = stream_offsets(segments);
-  // q, k and v are moved in and dropped before the output projection runs (a parameter would
-  // live until the end of the caller's statement).
   auto attention = [&](int64_t layer, at::Tensor q, at::Tensor k, at::Tensor v) {
-    at::Tensor out;
-    if (!one) {
-      out = attend_segments(layer, q, k, v, segments, offsets, windows).view({b, s, heads * head_dim});
-    } else {
-      if (segments[0].context != nullptr) std::tie(k, v) = segments[0].context->append_kv(layer, k, v);
-      out = attend(q, k, v, windows[0]).transpose(1, 2).reshape({b, s, heads * head_dim});
-    }
-    q.reset(), k.reset(), v.reset();
-    return out;
+    if (!one) return attend_segments(layer, q, k, v, segments, offsets, windows).view({b, s, heads * head_dim});
+    if (segments[0].context != nullptr) std::tie(k, v) = segments[0].context->append_kv(layer, k, v);
+    return attend(q, k, v, windows[0]).transpose(1, 2).reshape({b, s, heads * head_dim});
   };
 
   // Sequence parallelism for windows of more than one token: between blocks each rank keeps
@@ -346,6 +338,7 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
   const bool run_fused = !fused.empty() && detail::fused_decode_fits(lm_, c, x, fused);
   if (run_fused) x = detail::fused_decode_layers(lm_, c, x, cos, sin, fused).view(x.sizes());
 
+  bool owned = false;  // whether x is a tensor of the loop's own (add_to_stream)
   for (size_t layer = 0; layer < lm_.layers.size() && !run_fused; ++layer) {
     const qwen_vl::DecoderLayer& w = lm_.layers[layer];
     at::Tensor h = whole(detail::apply_rms_norm(x, w.input_layernorm, c.rms_norm_eps));
@@ -358,11 +351,11 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
     q = q.transpose(1, 2);
     k = k.transpose(1, 2);
     at::Tensor v = detail::apply_linear(h, w.v_proj).view({b, s, kv_heads, head_dim}).transpose(1, 2);
-    h.reset();  // not kept through the attention
+    h.reset();  // q, k and v moved into the attention: none of the four outlives its use
     q = detail::apply_rotary(q, cos, sin);
     k = detail::apply_rotary(k, cos, sin);
-    add_to_stream(x,
-                  reduce(attention(static_cast<int64_t>(layer), std::move(q), std::move(k), std::move(v)), w.o_proj));
+    add_to_stream(x, reduce(attention(static_cast<int64_t>(layer), std::move(q), std::move(k), std::move(v)), w.o_proj),
+                  owned);
 
     h = whole(detail::apply_rms_norm(x, w.post_attention_layernorm, c.rms_norm_eps));
     if (comm == nullptr && mlp_in_runs(x, h, w)) {
@@ -370,9 +363,9 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
     } else {
       at::Tensor gated = detail::apply_linear(h, w.gate_proj);
       kernels::silu_mul_into(gated, detail::apply_linear(h, w.up_proj));
-      add_to_stream(x, reduce(gated, w.down_proj));
+      add_to_stream(x, reduce(gated, w.down_proj), owned);
     }
-    if (layer < deepstack_add.size()) add_to_stream(x, deepstack_add[layer]);
+    if (layer < deepstack_add.size()) add_to_stream(x, deepstack_add[layer], owned);
   }
   x = whole(detail::apply_rms_norm(x, lm_.norm, c.rms_norm_eps));
   // [B, S or 1, vocab] (vocab / tp under TP), float32
