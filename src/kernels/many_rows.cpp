@@ -34,12 +34,16 @@ void gemm_rows(Isa isa, const float* x, int64_t rows, int64_t in, const float* w
 /// Floats of widened FP8 weights per chunk: 64 KiB, whole rows of 4 outputs.
 constexpr int64_t kFp8ChunkFloats = 16384;
 
-/// Float32 weights per widened block: one GEMM block's worth (kGemmBlockBytes) per ATen thread,
-/// at least four blocks. Against 4 MiB whatever the threads: a 512-token FP8 prefill of the
-/// bench's 100M model on one thread peaked 2 MB lower (the buffer is the thread's to keep), its
-/// time within the noise.
-int64_t widen_block_floats() {
-  return std::max<int64_t>(4, at::get_num_threads()) * raw::kGemmBlockBytes / static_cast<int64_t>(sizeof(float));
+/// Output rows per widened block of a weight with `in` inputs, in whole tiles of every path (12
+/// outputs): on the GEMM tiles one GEMM block's worth (kGemmBlockBytes) per ATen thread, at least
+/// 4 and at most 16 (4 MiB) of them; ATen's GEMM (`tiles` false) always takes 16, so how it rounds
+/// a block does not follow the thread count. Against 4 MiB whatever the threads: a 512-token FP8
+/// prefill of the bench's 100M model on one thread peaked 2 MB lower (the buffer is the thread's
+/// to keep), its time within the noise.
+int64_t widen_block_rows(bool tiles, int64_t in) {
+  const int64_t blocks = tiles ? std::clamp<int64_t>(at::get_num_threads(), 4, 16) : 16;
+  const int64_t floats = blocks * raw::kGemmBlockBytes / static_cast<int64_t>(sizeof(float));
+  return std::max<int64_t>(12, floats / std::max<int64_t>(1, in) / 12 * 12);
 }
 
 }  // namespace
@@ -95,7 +99,7 @@ at::Tensor many_rows_linear(Isa isa, bool tiles, const at::Tensor& x, const at::
       gemm_rows(isa, flat.data_ptr<float>(), rows, in, weight.data_ptr<float>(), out_features, bias_data,
                 y.data_ptr<float>(), out_features);
     } else {
-      const int64_t block = std::max<int64_t>(1, widen_block_floats() / std::max<int64_t>(1, in));
+      const int64_t block = widen_block_rows(tiles, in);
       thread_local AlignedFloats buffer;  // grown to the largest block asked for, no spare capacity
       buffer.resize(static_cast<size_t>(std::min(block, out_features) * in));
       for (int64_t first = 0; first < out_features; first += block) {

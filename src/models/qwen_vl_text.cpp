@@ -101,8 +101,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   at::Tensor out = at::empty({b, s, heads, head_dim}, q.options());
   // KV heads per product: one on the CPU (a chunk's scores [B, g * n, seen] at a time, not
   // [B, kv, g * n, seen]: the batched matmul runs one GEMM per KV head anyway, so the values are
-  // the same), all of them in one batched product elsewhere.
-  const int64_t per_product = q.device().is_cpu() ? 1 : kv_heads;
+  // the same), all of them in one batched product elsewhere, and where autograd records (each
+  // copy into `out` then costs a copy of its whole gradient).
+  const int64_t per_product = q.device().is_cpu() && !recorded ? 1 : kv_heads;
   for (int64_t c0 = 0; c0 < s; c0 += kAttentionChunk) {
     const int64_t n = std::min(kAttentionChunk, s - c0);
     // Keys after the chunk's last query column are blocked for all of its queries: left out (a
@@ -351,7 +352,7 @@ std::vector<at::Tensor> QwenVl::run_language_model(at::Tensor x, const at::Tenso
     q = q.transpose(1, 2);
     k = k.transpose(1, 2);
     at::Tensor v = detail::apply_linear(h, w.v_proj).view({b, s, kv_heads, head_dim}).transpose(1, 2);
-    h.reset();  // q, k and v moved into the attention: none of the four outlives its use
+    h.reset();  // not kept through the attention; q, k and v, moved into it, end with its statement
     q = detail::apply_rotary(q, cos, sin);
     k = detail::apply_rotary(k, cos, sin);
     add_to_stream(x, reduce(attention(static_cast<int64_t>(layer), std::move(q), std::move(k), std::move(v)), w.o_proj),
