@@ -81,7 +81,12 @@ at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, Visibility vi
   // Scaled in the softmax (lowest * scale), so divided by any scale above 1 to stay finite.
   const double blocked_score = std::numeric_limits<float>::lowest() / std::max(1.0, vis.scale);
   const at::Tensor kt = k.transpose(-1, -2);
-  std::vector<at::Tensor> parts;
+  // As Qwen2-VL's attend: each chunk into its columns of one [B, S, heads, D] output, and on the
+  // CPU one KV head per product (the batched product runs one GEMM per head anyway) unless
+  // autograd records.
+  at::Tensor out = at::empty({b, s, heads, d}, q.options());
+  const bool recorded = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  const int64_t per_product = q.device().is_cpu() && !recorded ? 1 : kv;
   for (int64_t c0 = 0; c0 < s; c0 += kAttentionChunk) {
     const int64_t n = std::min(kAttentionChunk, s - c0);
     const at::Tensor query_cols = at::arange(vis.window_start + c0, vis.window_start + c0 + n, long_opts).unsqueeze(1);
@@ -93,13 +98,18 @@ at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, Visibility vi
       const at::Tensor gk = vis.groups.narrow(1, vis.key_begin, keys).unsqueeze(1);       // [B, 1, K]
       seen = seen.logical_or(gq.eq(gk).logical_and(gq.ge(0)));
     }
-    at::Tensor q4 = q.narrow(2, c0, n).reshape({b, kv, groups * n, d});
-    at::Tensor scores = at::matmul(q4, kt);  // [B, kv, g * n, K]
-    scores.view({b, kv, groups, n, keys}).masked_fill_(seen.logical_not().view({b, 1, 1, n, keys}), blocked_score);
-    kernels::scaled_softmax_into(scores, vis.scale);  // masked: lowest * scale, e^-huge = 0
-    parts.push_back(at::matmul(scores, v).view({b, heads, n, d}));
+    const at::Tensor blocked = seen.logical_not().view({b, 1, 1, n, keys});
+    for (int64_t h0 = 0; h0 < kv; h0 += per_product) {
+      const int64_t qh = per_product * groups;  // query heads of these KV heads
+      at::Tensor q4 = q.narrow(2, c0, n).narrow(1, h0 * groups, qh).reshape({b, per_product, groups * n, d});
+      at::Tensor scores = at::matmul(q4, kt.narrow(1, h0, per_product));  // [B, per, g * n, K]
+      scores.view({b, per_product, groups, n, keys}).masked_fill_(blocked, blocked_score);
+      kernels::scaled_softmax_into(scores, vis.scale);  // masked: lowest * scale, e^-huge = 0
+      const at::Tensor part = at::matmul(scores, v.narrow(1, h0, per_product)).view({b, qh, n, d});
+      out.narrow(1, c0, n).narrow(2, h0 * groups, qh).copy_(part.transpose(1, 2));
+    }
   }
-  return parts.size() == 1 ? parts[0] : at::cat(parts, 2);
+  return out.transpose(1, 2);
 }
 
 }  // namespace
