@@ -44,8 +44,6 @@ struct Visibility {
   double scale;
 };
 
-constexpr int64_t kAttentionChunk = 256;
-
 /// q [B, heads, S, D] over k, v [B, kv, K, D]: [B, heads, S, D]. One-column decode steps of
 /// text on the CPU use kernels::decode_attention;
 /// otherwise GQA as batched matmuls over query chunks, each with its own slice of the mask.
@@ -64,7 +62,7 @@ at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, Visibility vi
     }
   }
   const int64_t b = q.size(0), heads = q.size(1), s = q.size(2), d = q.size(3);
-  const int64_t kv = k.size(1), keys = k.size(2), groups = heads / kv;
+  const int64_t keys = k.size(2);
   const auto long_opts = at::TensorOptions().dtype(at::kLong).device(q.device());
   const at::Tensor key_cols = at::arange(vis.key_begin, vis.key_begin + keys, long_opts).unsqueeze(0);  // [1, K]
   if (q.device().is_cpu() && s == 1 && !vis.groups.defined() && kernels::enabled() && !at::GradMode::is_enabled()) {
@@ -78,17 +76,10 @@ at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, Visibility vi
     k = k.to(q.scalar_type());
     v = v.to(q.scalar_type());
   }
-  // Scaled in the softmax (lowest * scale), so divided by any scale above 1 to stay finite.
-  const double blocked_score = std::numeric_limits<float>::lowest() / std::max(1.0, vis.scale);
-  const at::Tensor kt = k.transpose(-1, -2);
-  // As Qwen2-VL's attend: each chunk into its columns of one [B, S, heads, D] output, and on the
-  // CPU one KV head per product (the batched product runs one GEMM per head anyway) unless
-  // autograd records.
+  // Each chunk into its columns of one [B, S, heads, D] output, as Qwen2-VL's attend.
   at::Tensor out = at::empty({b, s, heads, d}, q.options());
-  const bool recorded = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
-  const int64_t per_product = q.device().is_cpu() && !recorded ? 1 : kv;
-  for (int64_t c0 = 0; c0 < s; c0 += kAttentionChunk) {
-    const int64_t n = std::min(kAttentionChunk, s - c0);
+  for (int64_t c0 = 0; c0 < s; c0 += detail::kAttentionChunk) {
+    const int64_t n = std::min(detail::kAttentionChunk, s - c0);
     const at::Tensor query_cols = at::arange(vis.window_start + c0, vis.window_start + c0 + n, long_opts).unsqueeze(1);
     at::Tensor seen = key_cols.le(query_cols);  // [n, K]
     if (vis.window > 0) seen = seen.logical_and((query_cols - key_cols).lt(vis.window));
@@ -98,16 +89,19 @@ at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, Visibility vi
       const at::Tensor gk = vis.groups.narrow(1, vis.key_begin, keys).unsqueeze(1);       // [B, 1, K]
       seen = seen.logical_or(gq.eq(gk).logical_and(gq.ge(0)));
     }
-    const at::Tensor blocked = seen.logical_not().view({b, 1, 1, n, keys});
-    for (int64_t h0 = 0; h0 < kv; h0 += per_product) {
-      const int64_t qh = per_product * groups;  // query heads of these KV heads
-      at::Tensor q4 = q.narrow(2, c0, n).narrow(1, h0 * groups, qh).reshape({b, per_product, groups * n, d});
-      at::Tensor scores = at::matmul(q4, kt.narrow(1, h0, per_product));  // [B, per, g * n, K]
-      scores.view({b, per_product, groups, n, keys}).masked_fill_(blocked, blocked_score);
-      kernels::scaled_softmax_into(scores, vis.scale);  // masked: lowest * scale, e^-huge = 0
-      const at::Tensor part = at::matmul(scores, v.narrow(1, h0, per_product)).view({b, qh, n, d});
-      out.narrow(1, c0, n).narrow(2, h0 * groups, qh).copy_(part.transpose(1, 2));
+    // On the CPU only the keys that some query of the chunk sees are computed: none after its
+    // last column but the rest of an image its queries see in both directions, none before a
+    // sliding layer's window but the start of such an image (elsewhere every key, without reading
+    // the mask back to the host).
+    int64_t lo = 0, hi = keys;
+    if (q.device().is_cpu()) {
+      const at::Tensor columns = seen.any(0).any(0).nonzero();  // [m, 1]: the keys seen
+      const int64_t m = columns.size(0);
+      const int64_t* first = columns.data_ptr<int64_t>();
+      lo = m > 0 ? first[0] : 0;
+      hi = m > 0 ? first[m - 1] + 1 : 1;  // all padding: one key, as a causal cut keeps
     }
+    detail::attend_query_chunk(q, k, v, c0, lo, seen.narrow(2, lo, hi - lo).logical_not(), vis.scale, out);
   }
   return out.transpose(1, 2);
 }

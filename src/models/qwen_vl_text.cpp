@@ -46,12 +46,6 @@ std::pair<at::Tensor, at::Tensor> mrope_cos_sin(const at::Tensor& positions, con
 
 /// Windows of up to this many columns attend through kernels::decode_attention on the CPU.
 constexpr int64_t kKernelAttentionColumns = 4;
-/// Query columns per chunk of the matmul attention: [B, heads, 128, K] scores at a time (softmaxed
-/// in place). Against 256: a 2048-token f32 prefill of the bench's 100M model 370-404 -> 475
-/// tokens/s, 512 tokens 755 -> 778, and the peak memory of a 512-token prompt 11 MB lower (the
-/// bf16 model's peak over weights and KV 1.186 -> 1.142); 64 gained nothing more.
-constexpr int64_t kAttentionChunk = 128;
-
 /// `x` [B, S, ...] padded with zeros at the end of dim 1 to `length` positions.
 at::Tensor pad_sequence(const at::Tensor& x, int64_t length) {
   if (x.size(1) == length) return x;
@@ -77,7 +71,7 @@ struct AttentionWindow {
 /// its own slice of the mask, so no tensor grows with S x K.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionWindow& w) {
   const int64_t b = q.size(0), heads = q.size(1), s = q.size(2), head_dim = q.size(3);
-  const int64_t kv_heads = k.size(1), keys = k.size(2), groups = heads / kv_heads;
+  const int64_t keys = k.size(2);
   const bool recorded = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
   if (q.device().is_cpu() && q.scalar_type() == at::kFloat && s <= kKernelAttentionColumns && kernels::enabled() &&
       !recorded) {
@@ -88,27 +82,16 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   w);
   if (k.scalar_type() != q.scalar_type())  // a bfloat16 cache: the products in the queries' dtype
     return attend(q, k.to(q.scalar_type()), v.to(q.scalar_type()), w);
-  // A finite fill (not -inf): a padding query row with every key blocked softmaxes to a uniform
-  // row instead of NaN, and its logits are ignored anyway.
-  // Scaled in the softmax (lowest * scale), so divided by any scale above 1 to stay finite.
-  const double blocked_score = std::numeric_limits<float>::lowest() / std::max(1.0, w.scale);
   const auto long_opts = at::TensorOptions().dtype(at::kLong).device(q.device());
   const at::Tensor key_cols = at::arange(w.key_begin, w.key_begin + keys, long_opts).unsqueeze(0);  // [1, K]
-  const at::Tensor kt = k.transpose(-1, -2);
   // Each chunk's output goes to its columns of one [B, S, heads, D] tensor, returned as its
   // [B, heads, S, D] view: no list of parts and their concatenation beside it, and the caller's
   // transpose back to [B, S, heads * D] is free.
   at::Tensor out = at::empty({b, s, heads, head_dim}, q.options());
-  // KV heads per product: one on the CPU (a chunk's scores [B, g * n, seen] at a time, not
-  // [B, kv, g * n, seen]: the batched matmul runs one GEMM per KV head anyway, so the values are
-  // the same), all of them in one batched product elsewhere, and where autograd records (each
-  // copy into `out` then costs a copy of its whole gradient).
-  const int64_t per_product = q.device().is_cpu() && !recorded ? 1 : kv_heads;
-  for (int64_t c0 = 0; c0 < s; c0 += kAttentionChunk) {
-    const int64_t n = std::min(kAttentionChunk, s - c0);
+  for (int64_t c0 = 0; c0 < s; c0 += detail::kAttentionChunk) {
+    const int64_t n = std::min(detail::kAttentionChunk, s - c0);
     // Keys after the chunk's last query column are blocked for all of its queries: left out (a
-    // causal prefill computes about half the scores, and softmaxes half). A query row whose
-    // visible keys are all padding then averages the values of the keys left in, not of all.
+    // causal prefill computes about half the scores, and softmaxes half).
     const int64_t seen = std::clamp<int64_t>(w.window_start + c0 + n - w.key_begin, 1, keys);
     const at::Tensor query_cols = at::arange(w.window_start + c0, w.window_start + c0 + n, long_opts).unsqueeze(1);
     const at::Tensor blocked = key_cols.narrow(1, 0, seen)
@@ -116,19 +99,42 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    .unsqueeze(0)
                                    .logical_and(w.key_real.narrow(1, 0, seen).unsqueeze(1))
                                    .logical_not();
-    for (int64_t h0 = 0; h0 < kv_heads; h0 += per_product) {
-      const int64_t qh = per_product * groups;  // query heads of these KV heads
-      at::Tensor q4 = q.narrow(2, c0, n).narrow(1, h0 * groups, qh).reshape({b, per_product, groups * n, head_dim});
-      at::Tensor scores = at::matmul(q4, kt.narrow(1, h0, per_product).narrow(-1, 0, seen));  // [B, per, g * n, seen]
-      scores.view({b, per_product, groups, n, seen}).masked_fill_(blocked.view({b, 1, 1, n, seen}), blocked_score);
-      kernels::scaled_softmax_into(scores, w.scale);  // masked: lowest * scale, e^-huge = 0
-      const at::Tensor part =
-          at::matmul(scores, v.narrow(1, h0, per_product).narrow(2, 0, seen)).view({b, qh, n, head_dim});
-      out.narrow(1, c0, n).narrow(2, h0 * groups, qh).copy_(part.transpose(1, 2));
-    }
+    detail::attend_query_chunk(q, k, v, c0, 0, blocked, w.scale, out);
   }
   return out.transpose(1, 2);
 }
+
+}  // namespace
+
+namespace detail {
+
+void attend_query_chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t c0, int64_t key_lo,
+                        const at::Tensor& blocked, double scale, at::Tensor& out) {
+  const int64_t b = q.size(0), heads = q.size(1), head_dim = q.size(3);
+  const int64_t kv_heads = k.size(1), groups = heads / kv_heads, n = blocked.size(1), keys = blocked.size(2);
+  const bool recorded = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  const int64_t per_product = q.device().is_cpu() && !recorded ? 1 : kv_heads;
+  // A finite fill (not -inf): a padding query row with every key blocked softmaxes to a uniform
+  // row instead of NaN. Scaled in the softmax (lowest * scale), so divided by any scale above 1
+  // to stay finite.
+  const double blocked_score = std::numeric_limits<float>::lowest() / std::max(1.0, scale);
+  const at::Tensor kt = k.narrow(2, key_lo, keys).transpose(-1, -2);
+  const at::Tensor vs = v.narrow(2, key_lo, keys);
+  const at::Tensor blocked_heads = blocked.unsqueeze(1).unsqueeze(1);  // [B, 1, 1, n, keys]
+  for (int64_t h0 = 0; h0 < kv_heads; h0 += per_product) {
+    const int64_t qh = per_product * groups;  // query heads of these KV heads
+    at::Tensor q4 = q.narrow(2, c0, n).narrow(1, h0 * groups, qh).reshape({b, per_product, groups * n, head_dim});
+    at::Tensor scores = at::matmul(q4, kt.narrow(1, h0, per_product));  // [B, per, g * n, keys]
+    scores.view({b, per_product, groups, n, keys}).masked_fill_(blocked_heads, blocked_score);
+    kernels::scaled_softmax_into(scores, scale);  // masked: lowest * scale, e^-huge = 0
+    const at::Tensor part = at::matmul(scores, vs.narrow(1, h0, per_product)).view({b, qh, n, head_dim});
+    out.narrow(1, c0, n).narrow(2, h0 * groups, qh).copy_(part.transpose(1, 2));
+  }
+}
+
+}  // namespace detail
+
+namespace {
 
 /// Per segment: keys are the cached columns [0, window_start) plus the window; without a cache
 /// only the window. Query column q sees key column k when k <= q and the key is not padding.
