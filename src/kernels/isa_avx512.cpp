@@ -24,9 +24,12 @@ struct Avx512 {
   // 11.7 / 15.5 ms, bf16 5.6 / 8.7, E4M3 4.2 / 4.9; 2 rows f32 13.0 / 17.6, bf16 6.2 / 8.9, E4M3
   // 5.0 / 5.1; 3 rows f32 15.4 / 18.4, bf16 9.2 / 8.7, E4M3 6.6 / 6.0; 4 rows slower for all.
   // (1 row of E4M3 in 128 x 128 blocks, streaming across row blocks since: 3.0-3.1 / 3.3-3.6.)
+  // float32 from 4 rows on streams too, fetching ahead in its streams (kStreamPrefetchRows):
+  // faster than adjacent tiles with the next tile fetched, 4 rows 14.0-14.6 / 15.3-15.7 ms, 16
+  // rows 29.4-29.8 / 32.2-32.9 (weights on huge pages).
   template <WeightType T>
   static constexpr int64_t kStreamRows = T == WeightType::kF32
-                                             ? 3
+                                             ? 16  // kMaxFastRows: every row count of the decode kernels
                                              : (T == WeightType::kBF16 || T == WeightType::kF16 ? 2 : 1);
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float f) { return _mm512_set1_ps(f); }

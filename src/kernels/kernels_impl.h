@@ -126,6 +126,12 @@ struct TilePrefetch {
 
   TilePrefetch() = default;  // none
 
+  /// Far streams (rows_linear_typed) of products of kStreamPrefetchRows rows or more: each step
+  /// fetches the line kStreamPrefetchBytes ahead of the one it reads in each of the tile's rows,
+  /// which runs on into the stream's next row (none for fewer rows: the hardware prefetcher
+  /// alone keeps up with them). `stride`: the tile's outputs apart.
+  static TilePrefetch in_streams(const void* w, int64_t o, int64_t stride, int64_t row_bytes, int64_t rows);
+
   /// A tile of `tile_rows` weight rows of `row_bytes` at `w`, input rows from r, `steps` steps a
   /// pass (row tiles of `row_tile` rows).
   TilePrefetch(const RowsLinear& a, const void* w, int64_t o, int tile_rows, int64_t row_bytes, int64_t r, int row_tile,
@@ -140,6 +146,25 @@ struct TilePrefetch {
     pos = (r / row_tile) * steps * per_step * 64;
   }
 };
+
+/// Products of this many rows or more that read their weights as far streams fetch ahead in them
+/// (TilePrefetch::in_streams), this many bytes ahead. The bench's 85 float32 products, weights on
+/// huge pages, medians of 15 in alternated runs (ms; adjacent tiles with the next tile fetched /
+/// far streams, none fetched / far streams fetching 512, 1024, 1536 bytes ahead): 4 rows 15.3-15.7
+/// / 16.5-17.1 / 15.8-16.5, 14.0-14.6, 14.1-14.5; 16 rows 32.2-32.9 / - / 31.4, 29.4-29.8,
+/// 30.9-31.3. With 2 rows the fetches made far streams slower (10.3-10.6 -> 12.5), with 1 and 3
+/// within the noise: they keep streaming without.
+constexpr int64_t kStreamPrefetchRows = 4;
+constexpr int64_t kStreamPrefetchBytes = 1024;
+
+inline TilePrefetch TilePrefetch::in_streams(const void* w, int64_t o, int64_t stride, int64_t row_bytes,
+                                             int64_t rows) {
+  TilePrefetch p;
+  if (rows < kStreamPrefetchRows) return p;
+  p.next = static_cast<const char*>(w) + o * row_bytes + kStreamPrefetchBytes;  // may pass the end: a hint
+  p.row_bytes = stride * row_bytes;
+  return p;
+}
 
 /// One step's fetches: with several passes (kInOrder) per_step lines in address order, with one
 /// pass the line at byte `offset` of each row. kInOrder is a template parameter so that the single
@@ -368,8 +393,10 @@ void linear_tile(const RowsLinear& a, const TileOutputs& t, int64_t r) {
   if constexpr (kLines)
     if (mode == ScaleMode::kNone || mode == ScaleMode::kAtEnd || a.fp8.block_in % line == 0) begin = in - in % line;
   const int64_t row_bytes = in * static_cast<int64_t>(sizeof(WeightElement<T>));
-  const int64_t steps = streams_rows<Vec, T>(a) ? 0 : begin / line + (vector_end - begin) / L;  // 0: no prefetch
-  TilePrefetch prefetch(a, a.w, t.o, OT, row_bytes, r, Vec::kRowTile, steps);
+  const bool streams = streams_rows<Vec, T>(a);
+  const int64_t steps = streams ? 0 : begin / line + (vector_end - begin) / L;  // 0: no next tile fetched
+  TilePrefetch prefetch = streams ? TilePrefetch::in_streams(a.w, t.o, t.stride, row_bytes, a.rows)
+                                  : TilePrefetch(a, a.w, t.o, OT, row_bytes, r, Vec::kRowTile, steps);
   if (prefetch.per_step != 0)
     tile_loops<Vec, T, OT, RT, true>(a, t, r, begin, vector_end, mode, acc, prefetch);
   else

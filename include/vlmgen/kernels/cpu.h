@@ -42,9 +42,9 @@ Isa active_isa();
 /// False when VLMGEN_CPU_ISA=aten: linear() and the models' decode attention use ATen only.
 bool enabled();
 
-/// Whether products of few rows (on AVX-512 1 to 3 rows with float32 weights, 1 to 2 with 16-bit
-/// and 1 with FP8 ones; on AVX2 1 row with float32 or 16-bit weights) read their weight rows as
-/// four streams far apart (a tile's outputs a quarter of a thread's range apart; for FP8 with
+/// Whether products of few rows (on AVX-512 every row count up to max_fast_rows with float32
+/// weights, 1 to 2 with 16-bit and 1 with FP8 ones; on AVX2 1 row with float32 or 16-bit weights)
+/// read their weight rows as four streams far apart (a tile's outputs a quarter of a thread's range apart; for FP8 with
 /// several column blocks of scales that are not whole 64-weight lines, or rows of more than 2^18
 /// weights, a quarter of the range's part of a row block) instead of tiles of adjacent rows with
 /// software prefetch. The results have the same bits either way; only the
