@@ -22,11 +22,11 @@ struct Avx512 {
   // Products of up to this many rows read the weights as far-apart streams (streams_rows); the
   // 85 products of the bench's 100M model, interleaved, far streams vs adjacent tiles: 1 row f32
   // 11.7 / 15.5 ms, bf16 5.6 / 8.7, E4M3 4.2 / 4.9; 2 rows f32 13.0 / 17.6, bf16 6.2 / 8.9, E4M3
-  // 5.0 / 5.1; 3 rows f32 15.4 / 18.4, bf16 9.2 / 8.7, E4M3 6.6 / 6.0; 4 rows slower for all.
+  // 5.0 / 5.1; 3 rows f32 15.4 / 18.4, bf16 9.2 / 8.7, E4M3 6.6 / 6.0; 4 rows slower for all
+  // (streams without fetching ahead).
   // (1 row of E4M3 in 128 x 128 blocks, streaming across row blocks since: 3.0-3.1 / 3.3-3.6.)
   // float32 from 4 rows on streams too, fetching ahead in its streams (kStreamPrefetchRows):
-  // faster than adjacent tiles with the next tile fetched, 4 rows 14.0-14.6 / 15.3-15.7 ms, 16
-  // rows 29.4-29.8 / 32.2-32.9 (weights on huge pages).
+  // faster than adjacent tiles with the next tile fetched (the numbers at kStreamPrefetchBytes).
   template <WeightType T>
   static constexpr int64_t kStreamRows = T == WeightType::kF32
                                              ? 16  // kMaxFastRows: every row count of the decode kernels

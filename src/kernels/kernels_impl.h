@@ -161,7 +161,11 @@ inline TilePrefetch TilePrefetch::in_streams(const void* w, int64_t o, int64_t s
                                              int64_t rows) {
   TilePrefetch p;
   if (rows < kStreamPrefetchRows) return p;
-  p.next = static_cast<const char*>(w) + o * row_bytes + kStreamPrefetchBytes;  // may pass the end: a hint
+  // Integers, not pointer arithmetic: the last stream's fetches pass the end of the weights (and
+  // a stream's may pass the end of a thread's outputs), which a prefetch may do, but a pointer
+  // may not.
+  p.next = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(w) +
+                                         static_cast<uintptr_t>(o * row_bytes + kStreamPrefetchBytes));
   p.row_bytes = stride * row_bytes;
   return p;
 }
@@ -175,8 +179,10 @@ inline void prefetch_step(TilePrefetch& p, int64_t offset) {
   if (p.next == nullptr) return;
   if constexpr (kInOrder) {
     for (int64_t k = 0; k < p.per_step && p.pos < p.end; ++k, p.pos += 64) __builtin_prefetch(p.next + p.pos, 0, 2);
-  } else if (offset % 64 == 0) {  // once per cache line of each row
-    for (int oo = 0; oo < OT; ++oo) __builtin_prefetch(p.next + oo * p.row_bytes + offset, 0, 2);
+  } else if (offset % 64 == 0) {  // once per cache line of each row (integers: see in_streams)
+    const uintptr_t line = reinterpret_cast<uintptr_t>(p.next) + static_cast<uintptr_t>(offset);
+    for (int oo = 0; oo < OT; ++oo)
+      __builtin_prefetch(reinterpret_cast<const char*>(line + static_cast<uintptr_t>(oo * p.row_bytes)), 0, 2);
   }
 }
 
@@ -339,7 +345,8 @@ void tile_loops(const RowsLinear& a, const TileOutputs& t, int64_t r, int64_t be
 }
 
 /// Whether a product reads its weight rows as a few streams far apart (rows_linear_typed: tiles of
-/// outputs a quarter of the range apart, no software prefetch; the same bits, since a tile adds
+/// outputs a quarter of the range apart, no software prefetch below kStreamPrefetchRows rows, then
+/// fetching ahead in each stream (TilePrefetch::in_streams); the same bits, since a tile adds
 /// each output's terms in one order wherever its other outputs are).
 template <class Vec, WeightType T>
 bool streams_rows(const RowsLinear& a) {

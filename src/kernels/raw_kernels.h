@@ -35,7 +35,7 @@ struct RowsLinear {
   const float* bias;  // may be null
   float* y;
   int64_t ldy;
-  int64_t out_end;          // outputs past this one are not this call's (no prefetch beyond them)
+  int64_t out_end;          // outputs past this one are not this call's (no next tile fetched beyond them)
   Fp8Scales fp8;            // for kE4M3 / kE5M2 weights
   bool one_stream = false;  // the CPU reads few rows' weights faster as far-apart streams (AMD)
 };

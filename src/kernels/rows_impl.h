@@ -182,7 +182,8 @@ void far_across_blocks(const RowsLinear& a, int64_t o_begin, int64_t o_end) {
 
 /// Products that stream their weights (streams_rows) read them as OT streams far apart: a tile
 /// takes outputs o + k + s * per (s < OT, per a quarter of the run on AVX-512), so each stream moves
-/// forward row by row through its own part of the matrix, without software prefetch. An AMD
+/// forward row by row through its own part of the matrix, without software prefetch (from
+/// kStreamPrefetchRows rows on, fetching 1 KB ahead in each stream: TilePrefetch::in_streams). An AMD
 /// EPYC's hardware prefetcher keeps several such streams going where it followed the OT adjacent
 /// rows of a tile, or one row at a time, badly. A standalone read of the 85 products of the
 /// bench's 100M model, 1 row, cold, medians of 11 interleaved runs: f32 1 stream 12.1-13.9 ms, 4

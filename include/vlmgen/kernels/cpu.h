@@ -46,8 +46,9 @@ bool enabled();
 /// weights, 1 to 2 with 16-bit and 1 with FP8 ones; on AVX2 1 row with float32 or 16-bit weights)
 /// read their weight rows as four streams far apart (a tile's outputs a quarter of a thread's range apart; for FP8 with
 /// several column blocks of scales that are not whole 64-weight lines, or rows of more than 2^18
-/// weights, a quarter of the range's part of a row block) instead of tiles of adjacent rows with
-/// software prefetch. The results have the same bits either way; only the
+/// weights, a quarter of the range's part of a row block; from 4 float32 rows on fetching 1 KB ahead
+/// in each stream) instead of tiles of adjacent rows with software prefetch of the next tile. The
+/// results have the same bits either way; only the
 /// speed differs. On by default on AMD CPUs (whose hardware prefetcher keeps several streams going
 /// but follows adjacent rows badly: one row's 85 products of the bench's model ran 1.2-1.6x faster),
 /// off elsewhere; for all threads.
