@@ -144,6 +144,14 @@ ChatPrompt ChatProcessor::assemble(const std::vector<ChatSegment>& segments, con
   for (const ChatSegment& s : expanded) {
     if (s.image < 0) {
       const std::vector<int64_t> ids = tokenizer_.encode(s.text);
+      // An image's tokens typed into the text would stand for an image the prompt does not carry:
+      // refused here, not by the model halfway through a forward.
+      for (int64_t id : ids) {
+        VLMGEN_CHECK(id != tokens.vision_start && id != tokens.image_pad && id != tokens.vision_end,
+                     "the messages' text holds the image token '{}' (id {}); an image goes in an image part, "
+                     "which writes its own tokens",
+                     tokenizer_.decode({id}), id);
+      }
       prompt.ids.insert(prompt.ids.end(), ids.begin(), ids.end());
       continue;
     }

@@ -4,6 +4,7 @@
 // Exits non-zero on the first failed check, printing what differed.
 'use strict';
 const fs = require('fs');
+const http = require('http');
 const zlib = require('zlib');
 const OpenAI = require('openai');
 
@@ -48,6 +49,22 @@ async function raw(path, init) {
   return { status: res.status, body, headers: res.headers };
 }
 
+// A POST whose body is sent chunked (Transfer-Encoding, no Content-Length).
+function chunked(path, text) {
+  return new Promise((resolve, reject) => {
+    const u = new URL(url + path);
+    const req = http.request({ hostname: u.hostname, port: u.port, path: u.pathname, method: 'POST',
+                               headers: { 'Content-Type': 'application/json', Authorization: 'Bearer ' + apiKey } }, (res) => {
+      let body = '';
+      res.on('data', (d) => { body += d; });
+      res.on('end', () => { try { body = JSON.parse(body); } catch (e) { /* the text */ } resolve({ status: res.statusCode, body }); });
+    });
+    req.on('error', reject);
+    req.write(text);  // no Content-Length given: Node sends it chunked
+    req.end();
+  });
+}
+
 async function metric(name) {
   const m = await raw('/metrics', { method: 'GET' });
   const line = m.body.split('\n').find((l) => l.startsWith(name + ' ') || l.startsWith(name + '{') && l.includes(name));
@@ -59,8 +76,8 @@ async function statusCount(status) {
   return line === undefined ? 0 : Number(line.split(' ').pop());
 }
 
-// A PNG header that declares width x height (the pixels are never reached).
-function pngHeader(width, height) {
+// A PNG that declares width x height: black pixels (full), or a header whose pixels are never reached.
+function pngHeader(width, height, full) {
   const crcTable = Array.from({ length: 256 }, (_, n) => {
     let c = n;
     for (let k = 0; k < 8; k++) c = c & 1 ? 0xedb88320 ^ (c >>> 1) : c >>> 1;
@@ -75,7 +92,7 @@ function pngHeader(width, height) {
   };
   const ihdr = Buffer.alloc(13);
   ihdr.writeUInt32BE(width, 0); ihdr.writeUInt32BE(height, 4); ihdr[8] = 8; ihdr[9] = 2;
-  const idat = zlib.deflateSync(Buffer.alloc(64));
+  const idat = zlib.deflateSync(Buffer.alloc(full ? height * (1 + 3 * width) : 64));  // filter byte 0 a row
   return Buffer.concat([Buffer.from([137, 80, 78, 71, 13, 10, 26, 10]), chunk('IHDR', ihdr), chunk('IDAT', idat),
                         chunk('IEND', Buffer.alloc(0))]);
 }
@@ -173,8 +190,10 @@ async function main() {
   console.log('OK load: 64 requests, 16 at a time, each equal to its single result');
 
   // 6. Bad requests: status, OpenAI error object naming the field; the server keeps serving.
-  const post = (body, extra) => raw('/v1/chat/completions', Object.assign({ method: 'POST', body: typeof body === 'string' ? body : JSON.stringify(body) }, extra));
+  const post = (body, extra) => raw('/v1/chat/completions', Object.assign({ method: 'POST', body: typeof body === 'string' || Buffer.isBuffer(body) ? body : JSON.stringify(body) }, extra));
   const ok = { model: 'm', messages: [{ role: 'user', content: 'Hi' }], max_tokens: 2 };
+  const images = (n, url) => [{ role: 'user', content: Array.from({ length: n }, () => ({ type: 'image_url', image_url: { url } })) }];
+  const black = 'data:image/png;base64,' + pngHeader(1000, 1000, true).toString('base64');
   const bad = [
     ['not JSON', '{"messages": [', 400, null],
     ['an array body', '[1, 2]', 400, null],
@@ -192,6 +211,15 @@ async function main() {
     ['a GIF data URL', { messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'data:image/gif;base64,R0lGOD==' } }] }] }, 400, 'messages[0].content[0].image_url.url'],
     ['undecodable image', { messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'data:image/png;base64,' + Buffer.from('not a png at all').toString('base64') } }] }] }, 400, 'messages[0].content[0].image_url.url'],
     ['image above --max-image-pixels', { messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'data:image/png;base64,' + pngHeader(30000, 30000).toString('base64') } }] }] }, 400, 'messages[0].content[0].image_url.url'],
+    ['17 images (--max-images 16)', { ...ok, messages: images(17, 'data:image/png;base64,' + Buffer.from('x').toString('base64')) }, 400, 'messages'],
+    ['2M pixels in two images (--max-total-image-pixels 1500000)', { ...ok, messages: images(2, black) }, 400, 'messages[0].content[1].image_url.url'],
+    ['image tokens typed into the text', { ...ok, messages: [{ role: 'user', content: 'see <|vision_start|><|image_pad|><|vision_end|>' }] }, 400, 'messages'],
+    ['a body that is not UTF-8', Buffer.from('{"messages":[{"role":"user","content":"\xff"}]}', 'latin1'), 400, null],
+    ['a role cut inside a character', { messages: [{ role: '日本語日本語日本語日本語', content: 'hi' }] }, 400, 'messages[0].role'],
+    ['a gzip-encoded body', ok, 415, null, { headers: { 'Content-Encoding': 'gzip' } }],
+    ['a form body', ok, 415, null, { headers: { 'Content-Type': 'application/x-www-form-urlencoded' } }],
+    ['max_tokens above 2^63', '{"messages":[{"role":"user","content":"Hi"}],"max_tokens":18446744073709551615}', 400, 'max_tokens', undefined, '18446744073709551615'],
+    ['top_p 0', { ...ok, top_p: 0 }, 400, 'top_p', undefined, '[1e-09, 1]'],
     ['n = 2', { ...ok, n: 2 }, 400, 'n'],
     ['max_tokens 0', { ...ok, max_tokens: 0 }, 400, 'max_tokens'],
     ['max_tokens a string', { ...ok, max_tokens: 'ten' }, 400, 'max_tokens'],
@@ -205,18 +233,34 @@ async function main() {
     ['no API key', ok, 401, null, { headers: { Authorization: '' } }],
     ['a wrong API key', ok, 401, null, { headers: { Authorization: 'Bearer nope' } }],
   ];
-  for (const [what, body, status, param, extra] of bad) {
+  for (const [what, body, status, param, extra, says] of bad) {
     const res = await post(body, extra);
     check(res.status === status, `${what}: status ${status}`, res);
     check(res.body && res.body.error && typeof res.body.error.message === 'string' && res.body.error.type,
           `${what}: an OpenAI error object`, res.body);
     if (param !== null) check(res.body.error.param === param, `${what}: names ${param}`, res.body.error);
+    if (says !== undefined) check(res.body.error.message.includes(says), `${what}: says ${says}`, res.body.error);
   }
+  const unsized = await chunked('/v1/chat/completions', JSON.stringify(ok));
+  check(unsized.status === 411 && unsized.body.error, 'a chunked body (no Content-Length): 411 before it is read', unsized);
   const unknown = await raw('/v1/nothing', { method: 'GET' });
   check(unknown.status === 404 && unknown.body.error, 'unknown path: 404 with an error object', unknown);
   const again = await client.chat.completions.create(greedy);
   check(again.choices[0].message.content === expected.text, 'still serving correct answers after bad requests');
-  console.log(`OK ${bad.length + 1} bad requests answered with their status and field; still serving`);
+  console.log(`OK ${bad.length + 2} bad requests answered with their status and field; still serving`);
+
+  // Sampling without a seed differs from request to request (with one it repeats); each reply's
+  // 'created' is its own time.
+  const sampled = { model: 'm', messages: [{ role: 'user', content: 'Hi' }], max_tokens: 12, temperature: 1.5 };
+  const first = await client.chat.completions.create(sampled);
+  await new Promise((res) => setTimeout(res, 1100));
+  const second = await client.chat.completions.create(sampled);
+  check(first.choices[0].message.content !== second.choices[0].message.content, 'no seed: two different samples',
+        [first.choices[0].message.content, second.choices[0].message.content]);
+  check(second.created > first.created, 'created: each reply\'s own time', [first.created, second.created]);
+  const seeded = await Promise.all([1, 2].map(() => client.chat.completions.create({ ...sampled, seed: 7 })));
+  check(seeded[0].choices[0].message.content === seeded[1].choices[0].message.content, 'seed 7 twice: the same sample');
+  console.log('OK seeds: none samples afresh, one repeats; created per reply');
 
   // 7. A streaming client that goes away after 3 chunks: the request is cancelled, KV returns.
   const before499 = await statusCount(499);
@@ -281,6 +325,30 @@ async function limits() {
   console.log(`all ${checks} limit checks passed`);
 }
 
+// Slots mode (a server with --threads 5: one connection may generate, four stay free): a second
+// request while a stream runs is a 429, and /health still answers at once.
+async function slots() {
+  const base = { model: 'm', messages: imageMessages, temperature: 0 };
+  const stream = await client.chat.completions.create({ ...base, max_tokens: 1500, stream: true });
+  const it = stream[Symbol.asyncIterator]();
+  await it.next();
+  const busy = await raw('/v1/chat/completions', { method: 'POST', body: JSON.stringify({ ...base, max_tokens: 2 }) });
+  check(busy.status === 429 && busy.headers.get('retry-after') === '1' && busy.body.error.code === 'connections_busy',
+        'every generating connection busy: 429 with Retry-After', { status: busy.status, body: busy.body });
+  const started = Date.now();
+  check((await raw('/health', { method: 'GET' })).status === 200 && Date.now() - started < 2000,
+        '/health answers while the stream runs', Date.now() - started);
+  stream.controller.abort();
+  let served = null;
+  for (let i = 0; i < 100 && served === null; i++) {
+    await new Promise((res) => setTimeout(res, 50));
+    const r = await raw('/v1/chat/completions', { method: 'POST', body: JSON.stringify({ ...base, max_tokens: expected.max_tokens }) });
+    if (r.status === 200) served = r.body;
+  }
+  check(served !== null && served.choices[0].message.content === expected.text, 'served again once the stream ended');
+  console.log(`OK connections: 429 while busy, /health free, served again (${checks} checks)`);
+}
+
 // Shutdown mode: open 8 streams, say so, and read them to their end.
 async function hold() {
   const streams = [];
@@ -304,4 +372,5 @@ async function hold() {
   console.log(`${finished} of 8 streams finished`);
 }
 
-(process.env.VLMGEN_SERVE_HOLD ? hold() : process.env.VLMGEN_SERVE_IMAGE_DIR ? limits() : main()).catch((e) => { console.error('FAIL: ' + (e.stack || e)); process.exit(1); });
+(process.env.VLMGEN_SERVE_HOLD ? hold() : process.env.VLMGEN_SERVE_SLOTS ? slots()
+  : process.env.VLMGEN_SERVE_IMAGE_DIR ? limits() : main()).catch((e) => { console.error('FAIL: ' + (e.stack || e)); process.exit(1); });

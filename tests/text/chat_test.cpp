@@ -252,6 +252,22 @@ TEST_F(ChatProcessorTest, AMissingOrBrokenImageIsAnErrorNamingTheFileAndPart) {
   }
 }
 
+TEST_F(ChatProcessorTest, ImageTokensTypedIntoTheTextAreRefusedBeforeAnyModelRuns) {
+  // Typed, they would stand for an image the prompt does not carry (the model would fail halfway).
+  for (const char* typed : {"<|image_pad|>", "<|vision_start|>", "<|vision_end|>"}) {
+    try {
+      processor_.build({vlmgen::ChatMessage("user", std::string("look: ") + typed)});
+      FAIL() << "built a prompt whose text holds " << typed;
+    } catch (const vlmgen::Error& e) {
+      EXPECT_THAT(e.what(), HasSubstr(std::string("image token '") + typed + "'"));
+    }
+  }
+  // The same message with a real image part builds, its tokens written by the processor.
+  const vlmgen::ChatPrompt prompt =
+      processor_.build({vlmgen::ChatMessage("user").text("look:").image(picture(8, 8, 1))});
+  EXPECT_EQ(prompt.num_images, 1);
+}
+
 TEST_F(ChatProcessorTest, ASessionRefusesATurnBeforeTheReplyAndStaysUsable) {
   vlmgen::ChatSession session(processor_);
   const auto first = session.add_user(vlmgen::ChatMessage("user", "one"));

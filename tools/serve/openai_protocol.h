@@ -5,9 +5,11 @@
 // Also the stop-string matcher the streams use. Header-only, used by vlmgen-serve (tools/serve).
 
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -33,6 +35,10 @@ struct ApiError : std::runtime_error {
   std::string type;
   std::string code;
 };
+
+/// A reply's JSON text: bytes that are not UTF-8 (a parser's message quoting the body, a name cut
+/// inside a character) become U+FFFD instead of failing the reply.
+inline std::string json_text(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
 inline Json error_body(const ApiError& e) {
   return {{"error",
@@ -88,6 +94,8 @@ struct RequestLimits {
   size_t max_stop = 4;
   size_t max_stop_bytes = 256;
   int64_t max_top_logprobs = 20;
+  /// Images in one request (counted before any is decoded).
+  int64_t max_images = 16;
   /// Local image paths are read only from inside this folder (none: refused).
   std::optional<std::filesystem::path> local_image_dir;
 };
@@ -98,7 +106,7 @@ struct ChatRequest {
   int64_t max_tokens = 0;
   double temperature = 1.0;
   double top_p = 1.0;
-  uint64_t seed = 0;
+  uint64_t seed = 0;  // a fresh random one where the request gives none
   std::vector<std::string> stop;
   bool stream = false;
   bool include_usage = false;
@@ -216,6 +224,12 @@ inline ChatRequest parse_chat_request(const Json& body, const RequestLimits& lim
         if (url == nullptr || !url->is_string()) {
           throw ApiError(400, pat + ".image_url.url must be a string", pat + ".image_url.url");
         }
+        if (r.images >= limits.max_images) {
+          throw ApiError(400,
+                         "the request carries more than " + std::to_string(limits.max_images) +
+                             " images (--max-images); image " + std::to_string(r.images + 1) + " is " + pat,
+                         "messages");
+        }
         detail_protocol::add_image(message, url->get<std::string>(), pat + ".image_url.url", limits);
         ++r.images;
       } else {
@@ -230,11 +244,13 @@ inline ChatRequest parse_chat_request(const Json& body, const RequestLimits& lim
     const Json* v = field(body, key);
     if (v == nullptr) return std::nullopt;
     if (!v->is_number_integer()) throw ApiError(400, std::string("'") + key + "' must be an integer", key);
-    const int64_t x = v->get<int64_t>();
-    if (x < lo || x > hi) {
+    // An unsigned value above int64's range is out of range too (not wrapped to a negative one).
+    const bool huge = v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX);
+    const int64_t x = huge ? INT64_MAX : v->get<int64_t>();
+    if (huge || x < lo || x > hi) {
       throw ApiError(400,
-                     std::string("'") + key + "' is " + std::to_string(x) + ", expected " + std::to_string(lo) +
-                         " to " + std::to_string(hi),
+                     std::string("'") + key + "' is " + v->dump() + ", expected " + std::to_string(lo) + " to " +
+                         std::to_string(hi),
                      key);
     }
     return x;
@@ -245,8 +261,14 @@ inline ChatRequest parse_chat_request(const Json& body, const RequestLimits& lim
     if (!v->is_number()) throw ApiError(400, std::string("'") + key + "' must be a number", key);
     const double x = v->get<double>();
     if (!(x >= lo && x <= hi)) {
+      auto shortest = [](double d) {  // 1e-09, not to_string's 0.000000
+        char text[32];
+        std::snprintf(text, sizeof(text), "%g", d);
+        return std::string(text);
+      };
       throw ApiError(
-          400, std::string("'") + key + "' is out of range [" + std::to_string(lo) + ", " + std::to_string(hi) + "]",
+          400,
+          std::string("'") + key + "' is " + v->dump() + ", out of range [" + shortest(lo) + ", " + shortest(hi) + "]",
           key);
     }
     return x;
@@ -269,6 +291,9 @@ inline ChatRequest parse_chat_request(const Json& body, const RequestLimits& lim
   if (const Json* seed = field(body, "seed")) {
     if (!seed->is_number_integer()) throw ApiError(400, "'seed' must be an integer", "seed");
     r.seed = seed->is_number_unsigned() ? seed->get<uint64_t>() : static_cast<uint64_t>(seed->get<int64_t>());
+  } else {  // as OpenAI's API: without a seed, each request samples afresh
+    std::random_device entropy;
+    r.seed = (static_cast<uint64_t>(entropy()) << 32) ^ entropy();
   }
   if (const Json* stop = field(body, "stop")) {
     if (stop->is_string()) {

@@ -83,6 +83,13 @@ void add_options(CLI::App& app, Options& o) {
   app.add_option("--max-image-pixels", o.max_image_pixels, "largest decoded image, width x height (400 above)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_option("--max-images", o.max_images, "images in one request (400 above)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max-total-image-pixels", o.max_total_image_pixels,
+                 "decoded pixels of all of a request's images together (400 above)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--default-max-tokens", o.default_max_tokens, "max_tokens when a request gives none")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -91,9 +98,11 @@ void add_options(CLI::App& app, Options& o) {
       ->check(CLI::ExistingDirectory);
   app.add_option("--grace-seconds", o.grace_seconds, "on SIGINT/SIGTERM, how long in-flight requests may finish")
       ->capture_default_str();
-  app.add_option("--threads", o.threads, "HTTP worker threads (connections served at once)")
+  app.add_option("--threads", o.threads,
+                 "HTTP worker threads (connections served at once); all but 4 may generate, the 4 answer /health, "
+                 "/metrics and refusals")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(kReservedThreads + 1, 1 << 16));
   app.add_option("--nproc", o.nproc,
                  "tensor-parallel ranks to start on this machine (rank 0 serves HTTP and schedules; the others run "
                  "its plan)")

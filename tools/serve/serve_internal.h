@@ -35,6 +35,10 @@ inline double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
+/// HTTP worker threads kept from generating: a stream holds its thread to the end, so with every
+/// thread streaming nothing would answer /health, /metrics or a refusal (429).
+constexpr int kReservedThreads = 4;
+
 struct Options {
   std::string model;
   std::string dtype = "f32";  // weights dtype of the language model
@@ -48,11 +52,13 @@ struct Options {
   int64_t kv_cache_bytes = int64_t{1} << 30;
   int64_t max_body_bytes = int64_t{32} << 20;
   int64_t max_image_pixels = int64_t{16} << 20;
+  int64_t max_images = 16;
+  int64_t max_total_image_pixels = int64_t{32} << 20;
   int64_t default_max_tokens = 256;
   std::string api_key;
   std::string allow_local_images;
   double grace_seconds = 10.0;
-  int threads = 64;
+  int threads = 64;  // kReservedThreads of them never generate
   int nproc = 1;
   int64_t timeout_s = 600;
 };
@@ -161,6 +167,7 @@ struct Completion {
   bool stop_hit = false;
   bool finished = false;
   Clock::time_point submitted = Clock::now();
+  int64_t created = static_cast<int64_t>(std::time(nullptr));  // the reply's "created": when it came
   Clock::time_point first_token;
   Clock::time_point last_token;
   std::vector<double> token_gaps;
@@ -193,7 +200,7 @@ class Server {
  private:
   static void reply_error(httplib::Response& res, const ApiError& e) {
     res.status = e.status;
-    res.set_content(error_body(e).dump(), "application/json");
+    res.set_content(json_text(error_body(e)), "application/json");
   }
 
   void count_status(int status) {
@@ -202,12 +209,18 @@ class Server {
   }
 
   void chat_completions(const httplib::Request& req, httplib::Response& res);
+  /// The checks a chat request passes, then its submission and reply (chat_completions answers
+  /// anything else it throws with a 500).
+  void admit_chat(const httplib::Request& req, httplib::Response& res);
+  /// Why a request's body is not read (a Content-Encoding, no Content-Length, not JSON), or null.
+  const ApiError* body_refusal(const httplib::Request& req) const;
   /// Images from data URLs decoded here, under the server's pixel limit, so an oversized picture
   /// is a 400 naming its message before anything is resized.
   void decode_images(std::vector<ChatMessage>& messages) const;
 
   Json usage(int64_t prompt_tokens, int64_t completion_tokens) const;
-  Json chunk(const std::string& id, const Json& delta, const Json& finish, const Json& logprobs = Json()) const;
+  Json chunk(const std::string& id, int64_t created, const Json& delta, const Json& finish,
+             const Json& logprobs = Json()) const;
   void respond(httplib::Response& res, const std::string& id, const ChatRequest& chat, int64_t prompt_tokens,
                const std::shared_ptr<Completion>& c);
   void stream(httplib::Response& res, const std::string& id, const ChatRequest& chat, int64_t prompt_tokens,
@@ -226,7 +239,7 @@ class Server {
   std::unique_ptr<Engine> engine_;
   RequestLimits limits_;
   std::string model_name_;
-  int64_t created_ = static_cast<int64_t>(std::time(nullptr));
+  int64_t created_ = static_cast<int64_t>(std::time(nullptr));  // /v1/models: when the server started
   std::atomic<int64_t> next_id_{1};
   std::atomic<bool> draining_{false};
   std::mutex active_mu_;

@@ -28,6 +28,7 @@ Server::Server(const Options& options, const ParallelContext& parallel) : option
   end_ids_ = end_token_ids_from_pretrained(options.model, *tokenizer_);
   engine_ = std::make_unique<Engine>(*model_, engine_options(options), parallel);
   limits_.default_max_tokens = options.default_max_tokens;
+  limits_.max_images = options.max_images;
   if (!options.allow_local_images.empty()) limits_.local_image_dir = options.allow_local_images;
   model_name_ =
       options.model_name.empty() ? std::filesystem::path(options.model).filename().string() : options.model_name;
@@ -41,15 +42,21 @@ Server::Server(const Options& options, const ParallelContext& parallel) : option
 
 void Server::install(httplib::Server& svr) {
   svr.set_payload_max_length(static_cast<size_t>(options_.max_body_bytes));
+  // Before a body is read: the key, then what the body may be.
   svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-    if (options_.api_key.empty() || req.path.rfind("/v1/", 0) != 0) return httplib::Server::HandlerResponse::Unhandled;
-    if (req.get_header_value("Authorization") == "Bearer " + options_.api_key) {
-      return httplib::Server::HandlerResponse::Unhandled;
+    auto refuse = [&](const ApiError& e) {
+      reply_error(res, e);
+      res.set_header("Connection", "close");  // the body was not read
+      count_status(e.status);
+      return httplib::Server::HandlerResponse::Handled;
+    };
+    if (!options_.api_key.empty() && req.path.rfind("/v1/", 0) == 0 &&
+        req.get_header_value("Authorization") != "Bearer " + options_.api_key) {
+      return refuse(ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", "", "authentication_error",
+                             "invalid_api_key"));
     }
-    reply_error(res, ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", "", "authentication_error",
-                              "invalid_api_key"));
-    count_status(401);
-    return httplib::Server::HandlerResponse::Handled;
+    if (const ApiError* e = body_refusal(req)) return refuse(*e);
+    return httplib::Server::HandlerResponse::Unhandled;
   });
   svr.set_error_handler([this](const httplib::Request&, httplib::Response& res) {
     if (!res.body.empty()) return;
@@ -70,14 +77,14 @@ void Server::install(httplib::Server& svr) {
       return;
     }
     res.status = 503;
-    res.set_content(Json{{"status", "broken"}, {"reason", broken}}.dump(), "application/json");
+    res.set_content(json_text(Json{{"status", "broken"}, {"reason", broken}}), "application/json");
   });
   svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
     Json body = {
         {"object", "list"},
         {"data",
          Json::array({{{"id", model_name_}, {"object", "model"}, {"created", created_}, {"owned_by", "vlmgen"}}})}};
-    res.set_content(body.dump(), "application/json");
+    res.set_content(json_text(body), "application/json");
   });
   svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics_text(), "text/plain; version=0.0.4");
@@ -86,7 +93,36 @@ void Server::install(httplib::Server& svr) {
            [this](const httplib::Request& req, httplib::Response& res) { chat_completions(req, res); });
 }
 
+const ApiError* Server::body_refusal(const httplib::Request& req) const {
+  // --max-body-bytes holds for bodies with a Content-Length only: a compressed body would be
+  // inflated, and a chunked one read, whole before any check.
+  static const ApiError compressed(415, "request bodies are read as sent: no Content-Encoding (send plain JSON)", "",
+                                   "invalid_request_error", "unsupported_content_encoding");
+  static const ApiError unsized(411, "a request body needs a Content-Length (chunked bodies are not read)", "",
+                                "invalid_request_error", "length_required");
+  static const ApiError not_json(415, "the request body must be JSON (Content-Type: application/json)", "",
+                                 "invalid_request_error", "unsupported_media_type");
+  const std::string encoding = req.get_header_value("Content-Encoding");
+  if (!encoding.empty() && encoding != "identity") return &compressed;
+  if (req.method != "POST") return nullptr;
+  if (!req.has_header("Content-Length") && req.has_header("Transfer-Encoding")) return &unsized;
+  // A form body (curl -d's default type) is also cut at 8 KiB by the HTTP library, before any check.
+  const std::string type = req.get_header_value("Content-Type");
+  if (!type.empty() && type.rfind("application/json", 0) != 0) return &not_json;
+  return nullptr;
+}
+
 void Server::chat_completions(const httplib::Request& req, httplib::Response& res) {
+  try {
+    admit_chat(req, res);
+  } catch (const std::exception& e) {  // not a refusal of the request: a failure of ours, said so
+    reply_error(res, ApiError(500, fmt::format("the server failed on this request: {}", e.what()), "", "server_error"));
+    count_status(500);
+    fmt::print(stderr, "[serve] 500 {}\n", e.what());
+  }
+}
+
+void Server::admit_chat(const httplib::Request& req, httplib::Response& res) {
   const int64_t number = next_id_.fetch_add(1);
   const std::string id = fmt::format("chatcmpl-{}", number);
   try {
@@ -119,6 +155,15 @@ void Server::chat_completions(const httplib::Request& req, httplib::Response& re
                                  "context of {} tokens",
                                  prompt_tokens, chat.max_tokens, prompt_tokens + chat.max_tokens, context),
                      "messages", "invalid_request_error", "context_length_exceeded");
+    }
+    const size_t slots = static_cast<size_t>(options_.threads - kReservedThreads);
+    if (in_flight() >= slots) {
+      res.set_header("Retry-After", "1");
+      throw ApiError(429,
+                     fmt::format("all {} connections that may generate are busy (--threads {} keeps {} for /health, "
+                                 "/metrics and refusals); try again later",
+                                 slots, options_.threads, kReservedThreads),
+                     "", "rate_limit_error", "connections_busy");
     }
     if (engine_->metrics().waiting >= options_.max_waiting) {
       res.set_header("Retry-After", "1");
@@ -163,6 +208,7 @@ void Server::chat_completions(const httplib::Request& req, httplib::Response& re
 }
 
 void Server::decode_images(std::vector<ChatMessage>& messages) const {
+  int64_t total_pixels = 0;
   for (size_t i = 0; i < messages.size(); ++i) {
     for (size_t j = 0; j < messages[i].content.size(); ++j) {
       ContentPart& part = messages[i].content[j];
@@ -174,6 +220,13 @@ void Server::decode_images(std::vector<ChatMessage>& messages) const {
                                       : std::move(part.text);
         Image image = decode_image(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(),
                                    ImageLimits().max_pixels(options_.max_image_pixels));
+        total_pixels += image.width * image.height;
+        if (total_pixels > options_.max_total_image_pixels) {
+          throw Error(
+              fmt::format("the request's images up to this one hold {} pixels, above "
+                          "--max-total-image-pixels {}",
+                          total_pixels, options_.max_total_image_pixels));
+        }
         part.kind = ContentPart::Kind::kImagePixels;
         part.pixels = std::make_shared<const Image>(std::move(image));
         part.text.clear();

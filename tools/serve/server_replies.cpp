@@ -16,7 +16,18 @@ const char* finish_reason(const Completion& c, FinishReason r) {
   return r == FinishReason::kLength ? "length" : "stop";
 }
 
-std::string sse(const Json& j) { return "data: " + j.dump() + "\n\n"; }
+/// The message of the exception being handled, whatever its type.
+std::string current_exception_text() {
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+std::string sse(const Json& j) { return "data: " + json_text(j) + "\n\n"; }
 
 }  // namespace
 
@@ -26,11 +37,12 @@ Json Server::usage(int64_t prompt_tokens, int64_t completion_tokens) const {
           {"total_tokens", prompt_tokens + completion_tokens}};
 }
 
-Json Server::chunk(const std::string& id, const Json& delta, const Json& finish, const Json& logprobs) const {
+Json Server::chunk(const std::string& id, int64_t created, const Json& delta, const Json& finish,
+                   const Json& logprobs) const {
   Json choice = {{"index", 0}, {"delta", delta}, {"finish_reason", finish}, {"logprobs", logprobs}};
   return {{"id", id},
           {"object", "chat.completion.chunk"},
-          {"created", created_},
+          {"created", created},
           {"model", model_name_},
           {"choices", Json::array({choice})}};
 }
@@ -40,9 +52,9 @@ void Server::respond(httplib::Response& res, const std::string& id, const ChatRe
   GenerationResult result;
   try {
     result = c->handle->wait();
-  } catch (const Error& e) {
+  } catch (...) {  // whatever the engine passed on (a vlmgen::Error, LibTorch's, std::bad_alloc)
     done(c);
-    throw ApiError(500, fmt::format("generation failed: {}", e.what()), "", "server_error");
+    throw ApiError(500, fmt::format("generation failed: {}", current_exception_text()), "", "server_error");
   }
   c->finish();
   const SequenceOutput& out = result.sequences.at(0);
@@ -54,11 +66,11 @@ void Server::respond(httplib::Response& res, const std::string& id, const ChatRe
   const auto completion_tokens = static_cast<int64_t>(out.tokens.size());
   Json body = {{"id", id},
                {"object", "chat.completion"},
-               {"created", created_},
+               {"created", c->created},
                {"model", model_name_},
                {"choices", Json::array({choice})},
                {"usage", usage(prompt_tokens, completion_tokens)}};
-  res.set_content(body.dump(), "application/json");
+  res.set_content(json_text(body), "application/json");
   finished(c, 200, prompt_tokens, completion_tokens);
   fmt::print(stderr, "[serve] {} 200 prompt {} completion {} {:.3f} s\n", id, prompt_tokens, completion_tokens,
              seconds_between(c->submitted, Clock::now()));
@@ -74,7 +86,7 @@ void Server::stream(httplib::Response& res, const std::string& id, const ChatReq
         auto write = [&](const std::string& s) { return sink.write(s.data(), s.size()); };
         if (!*role_sent) {
           *role_sent = true;
-          return write(sse(chunk(id, {{"role", "assistant"}, {"content", ""}}, Json())));
+          return write(sse(chunk(id, c->created, {{"role", "assistant"}, {"content", ""}}, Json())));
         }
         std::string delta;
         Json logprobs;
@@ -92,15 +104,17 @@ void Server::stream(httplib::Response& res, const std::string& id, const ChatReq
             c->logprobs_sent = c->logprobs.size();
           }
         }
-        if ((!delta.empty() || !logprobs.is_null()) && !write(sse(chunk(id, {{"content", delta}}, Json(), logprobs)))) {
+        if ((!delta.empty() || !logprobs.is_null()) &&
+            !write(sse(chunk(id, c->created, {{"content", delta}}, Json(), logprobs)))) {
           return false;
         }
         if (!ended) return true;
         GenerationResult result;
         try {
           result = c->handle->wait();
-        } catch (const Error& e) {
-          write(sse(error_body(ApiError(500, fmt::format("generation failed: {}", e.what()), "", "server_error"))));
+        } catch (...) {  // any type: an exception leaving this provider would end the process
+          write(sse(error_body(
+              ApiError(500, fmt::format("generation failed: {}", current_exception_text()), "", "server_error"))));
           record(c, 500, prompt_tokens, 0);  // counted before the client can see the end
           write("data: [DONE]\n\n");
           sink.done();
@@ -114,14 +128,14 @@ void Server::stream(httplib::Response& res, const std::string& id, const ChatReq
           rest = c->text.substr(c->sent);
           c->sent = c->text.size();
         }
-        if (!rest.empty()) write(sse(chunk(id, {{"content", rest}}, Json())));
+        if (!rest.empty()) write(sse(chunk(id, c->created, {{"content", rest}}, Json())));
         const SequenceOutput& out = result.sequences.at(0);
-        write(sse(chunk(id, Json::object(), finish_reason(*c, out.finish_reason))));
+        write(sse(chunk(id, c->created, Json::object(), finish_reason(*c, out.finish_reason))));
         const auto completion_tokens = static_cast<int64_t>(out.tokens.size());
         if (chat.include_usage) {
           write(sse({{"id", id},
                      {"object", "chat.completion.chunk"},
-                     {"created", created_},
+                     {"created", c->created},
                      {"model", model_name_},
                      {"choices", Json::array()},
                      {"usage", usage(prompt_tokens, completion_tokens)}}));
@@ -142,7 +156,7 @@ void Server::stream(httplib::Response& res, const std::string& id, const ChatReq
         c->handle->cancel();
         try {
           c->handle->wait();
-        } catch (const std::exception&) {
+        } catch (...) {  // cancelled, or failed: either way it is over
         }
         finished(c, 499, 0, 0);
         fmt::print(stderr, "[serve] {} 499 client closed the stream; cancelled\n", id);
