@@ -99,7 +99,18 @@ ChatPrompt ChatProcessor::build(const std::vector<ChatMessage>& messages, const 
 
 ChatPrompt ChatProcessor::assemble(const std::vector<ChatSegment>& segments, const std::vector<ChatMessage>& messages,
                                    const std::vector<Image>& images, size_t first) const {
-  // Count and check before decoding anything.
+  // Count and check before decoding anything. An image's tokens typed into the text would stand
+  // for an image the prompt does not carry (the model would fail halfway through a forward).
+  for (int64_t id : {format_.tokens.vision_start, format_.tokens.image_pad, format_.tokens.vision_end}) {
+    if (id < 0) continue;
+    const std::string typed = tokenizer_.decode({id});
+    for (const ChatSegment& s : segments) {
+      VLMGEN_CHECK(s.image >= 0 || typed.empty() || s.text.find(typed) == std::string::npos,
+                   "the messages' text holds the image token '{}' (id {}); an image goes in an image part, which "
+                   "writes its own tokens",
+                   typed, id);
+    }
+  }
   const std::vector<ImageRef> refs = image_parts(messages, first);
   size_t placeholders = 0;
   for (const ImageRef& ref : refs) {
@@ -144,9 +155,7 @@ ChatPrompt ChatProcessor::assemble(const std::vector<ChatSegment>& segments, con
   for (const ChatSegment& s : expanded) {
     if (s.image < 0) {
       const std::vector<int64_t> ids = tokenizer_.encode(s.text);
-      // An image's tokens typed into the text would stand for an image the prompt does not carry:
-      // refused here, not by the model halfway through a forward.
-      for (int64_t id : ids) {
+      for (int64_t id : ids) {  // the same, on the ids (the check above compared the texts)
         VLMGEN_CHECK(id != tokens.vision_start && id != tokens.image_pad && id != tokens.vision_end,
                      "the messages' text holds the image token '{}' (id {}); an image goes in an image part, "
                      "which writes its own tokens",

@@ -5,6 +5,7 @@
 'use strict';
 const fs = require('fs');
 const http = require('http');
+const net = require('net');
 const zlib = require('zlib');
 const OpenAI = require('openai');
 
@@ -47,6 +48,21 @@ async function raw(path, init) {
   let body = null;
   try { body = JSON.parse(text); } catch (e) { body = text; }
   return { status: res.status, body, headers: res.headers };
+}
+
+// The status of the first response to `text` written as is on a new connection.
+function rawStatus(text) {
+  return new Promise((resolve, reject) => {
+    const u = new URL(url);
+    const socket = net.connect(Number(u.port), u.hostname, () => socket.write(text));
+    let got = '';
+    const timer = setTimeout(() => { socket.destroy(); resolve(got === '' ? 'no answer in 5 s' : got); }, 5000);
+    socket.on('data', (d) => {
+      got += d;
+      if (got.includes('\r\n\r\n')) { clearTimeout(timer); socket.destroy(); resolve(Number(got.split(' ')[1])); }
+    });
+    socket.on('error', (e) => { clearTimeout(timer); reject(e); });
+  });
 }
 
 // A POST whose body is sent chunked (Transfer-Encoding, no Content-Length).
@@ -243,11 +259,19 @@ async function main() {
   }
   const unsized = await chunked('/v1/chat/completions', JSON.stringify(ok));
   check(unsized.status === 411 && unsized.body.error, 'a chunked body (no Content-Length): 411 before it is read', unsized);
+  const head = `POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${apiKey}\r\nContent-Type: application/json\r\n`;
+  check(await rawStatus(head + 'Transfer-Encoding: chunked\r\nContent-Length: 1\r\n\r\n') === 411,
+        'chunked with a Content-Length beside it: 411');
+  check(await rawStatus(head + '\r\n{"messages":') === 411, 'a body without any length: 411');
+  const health = await raw('/health', { method: 'GET', headers: { 'Content-Encoding': 'gzip' } });
+  check(health.status === 200, 'GET /health with a Content-Encoding header: 200 (no body is read)', health);
+  const typed = await post(ok, { headers: { 'Content-Type': 'Application/JSON; charset=utf-8' } });
+  check(typed.status === 200, 'Content-Type Application/JSON; charset=utf-8 is JSON', typed);
   const unknown = await raw('/v1/nothing', { method: 'GET' });
   check(unknown.status === 404 && unknown.body.error, 'unknown path: 404 with an error object', unknown);
   const again = await client.chat.completions.create(greedy);
   check(again.choices[0].message.content === expected.text, 'still serving correct answers after bad requests');
-  console.log(`OK ${bad.length + 2} bad requests answered with their status and field; still serving`);
+  console.log(`OK ${bad.length + 4} bad requests answered with their status and field; still serving`);
 
   // Sampling without a seed differs from request to request (with one it repeats); each reply's
   // 'created' is its own time.
@@ -261,6 +285,15 @@ async function main() {
   const seeded = await Promise.all([1, 2].map(() => client.chat.completions.create({ ...sampled, seed: 7 })));
   check(seeded[0].choices[0].message.content === seeded[1].choices[0].message.content, 'seed 7 twice: the same sample');
   console.log('OK seeds: none samples afresh, one repeats; created per reply');
+
+  // No max_tokens near the end of the context: the default is cut to the context left.
+  const near = await client.chat.completions.create({ model: 'm', temperature: 0,
+                                                      messages: [{ role: 'user', content: ' word'.repeat(1900) }] });
+  const left = 2048 - near.usage.prompt_tokens;
+  check(near.usage.prompt_tokens > 2048 - 256 && left > 0 && near.usage.completion_tokens <= left &&
+        (near.usage.completion_tokens === left) === (near.choices[0].finish_reason === 'length'),
+        'no max_tokens, a prompt within 256 tokens of the context: served up to the context', near.usage);
+  console.log('OK default max_tokens: ' + JSON.stringify(near.usage) + ' ' + near.choices[0].finish_reason);
 
   // 7. A streaming client that goes away after 3 chunks: the request is cancelled, KV returns.
   const before499 = await statusCount(499);
@@ -349,6 +382,28 @@ async function slots() {
   console.log(`OK connections: 429 while busy, /health free, served again (${checks} checks)`);
 }
 
+// Cut mode (a server with --grace-seconds 0, sent SIGTERM once this says "2 requests open"): a
+// reply and a stream the shutdown cancels end as errors (503, shutting_down), not as finished.
+async function cut() {
+  const body = (stream) => JSON.stringify({ model: 'm', messages: [{ role: 'user', content: 'Hi' }], max_tokens: 1900,
+                                            temperature: 0, stream });
+  const headers = { 'Content-Type': 'application/json', Authorization: 'Bearer ' + apiKey };
+  const whole = fetch(url + '/v1/chat/completions', { method: 'POST', headers, body: body(false) });
+  const streamed = await fetch(url + '/v1/chat/completions', { method: 'POST', headers, body: body(true) });
+  const reader = streamed.body.getReader();
+  let text = new TextDecoder().decode((await reader.read()).value);
+  console.log('2 requests open');
+  for (let r = await reader.read(); !r.done; r = await reader.read()) text += new TextDecoder().decode(r.value);
+  const reply = await whole;
+  const replyBody = await reply.json();
+  check(reply.status === 503 && replyBody.error && replyBody.error.code === 'shutting_down',
+        'a reply the shutdown cut: 503 shutting_down', { status: reply.status, body: replyBody });
+  check(text.includes('"code":"shutting_down"') && !text.includes('"finish_reason":"stop"') &&
+        !text.includes('"finish_reason":"length"') && text.trim().endsWith('data: [DONE]'),
+        'a stream the shutdown cut: an error event, no finish_reason, then [DONE]', text.slice(-400));
+  console.log(`OK cut by shutdown: 503 reply, error event in the stream (${checks} checks)`);
+}
+
 // Shutdown mode: open 8 streams, say so, and read them to their end.
 async function hold() {
   const streams = [];
@@ -372,5 +427,5 @@ async function hold() {
   console.log(`${finished} of 8 streams finished`);
 }
 
-(process.env.VLMGEN_SERVE_HOLD ? hold() : process.env.VLMGEN_SERVE_SLOTS ? slots()
+(process.env.VLMGEN_SERVE_HOLD ? hold() : process.env.VLMGEN_SERVE_SLOTS ? slots() : process.env.VLMGEN_SERVE_CUT ? cut()
   : process.env.VLMGEN_SERVE_IMAGE_DIR ? limits() : main()).catch((e) => { console.error('FAIL: ' + (e.stack || e)); process.exit(1); });

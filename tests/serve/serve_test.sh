@@ -41,7 +41,7 @@ start_server() {
   rm -f "$work/serve.out"
   "$serve" --model "$model" --port 0 --api-key sk-test --max-body-bytes 2000000 --max-image-pixels 1000000 \
     --max-total-image-pixels 1500000 \
-    --grace-seconds 20 "$@" > "$work/serve.out" 2> "$work/serve.err" &
+    --grace-seconds "${grace:-20}" "$@" > "$work/serve.out" 2> "$work/serve.err" &
   server=$!
   for _ in $(seq 1 600); do
     url=$(sed -n 's/^vlmgen-serve: listening on //p' "$work/serve.out")
@@ -95,6 +95,19 @@ grep "signal\|stopped\|cancelling" "$work/serve.err" || true
 [ "$elapsed" -le 20 ] || { echo "FAIL: shutdown took ${elapsed} s (grace 20 s)"; exit 1; }
 grep -q "8 of 8 streams finished" "$work/hold.out" || { echo "FAIL: the streams did not finish"; cat "$work/hold.out"; exit 1; }
 echo "OK shutdown: exit 0 in ${elapsed} s; the 8 streams in flight finished"
+
+# SIGTERM with --grace-seconds 0 and a reply and a stream in flight: both cancelled, and they say
+# so (503, an error event), instead of ending as if finished; exit 0.
+grace=0 start_server --max-running 2
+VLMGEN_SERVE_CUT=1 node "$here/openai_client_test.js" "$url" sk-test "$work/expected.json" "$image" \
+  > "$work/cut.out" 2>&1 &
+cutter=$!
+for _ in $(seq 1 600); do grep -q "2 requests open" "$work/cut.out" && break; sleep 0.1; done
+grep -q "2 requests open" "$work/cut.out" || { echo "the requests did not open"; cat "$work/cut.out"; exit 1; }
+kill -TERM "$server"
+wait "$server" || { echo "FAIL: the --grace-seconds 0 server did not exit 0"; tail -n 20 "$work/serve.err"; exit 1; }
+wait "$cutter" || { echo "FAIL: cut by shutdown"; cat "$work/cut.out"; tail -n 20 "$work/serve.err"; exit 1; }
+grep "OK" "$work/cut.out"
 
 # Tensor parallelism: two ranks, the same answers and checks, then SIGTERM: every rank exits 0.
 start_server --max-running 4 --nproc 2

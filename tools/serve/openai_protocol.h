@@ -104,6 +104,7 @@ struct RequestLimits {
 struct ChatRequest {
   std::vector<ChatMessage> messages;
   int64_t max_tokens = 0;
+  bool max_tokens_given = false;  // false: the server's default, cut to the context left
   double temperature = 1.0;
   double top_p = 1.0;
   uint64_t seed = 0;  // a fresh random one where the request gives none
@@ -286,6 +287,7 @@ inline ChatRequest parse_chat_request(const Json& body, const RequestLimits& lim
   auto max_tokens = integer("max_completion_tokens", 1, limits.max_max_tokens);
   if (!max_tokens) max_tokens = integer("max_tokens", 1, limits.max_max_tokens);
   r.max_tokens = max_tokens.value_or(limits.default_max_tokens);
+  r.max_tokens_given = max_tokens.has_value();
   r.temperature = number("temperature", 0.0, 2.0).value_or(1.0);
   r.top_p = number("top_p", 1e-9, 1.0).value_or(1.0);
   if (const Json* seed = field(body, "seed")) {

@@ -166,12 +166,14 @@ struct Completion {
   int64_t tokens = 0;
   bool stop_hit = false;
   bool finished = false;
+  bool recorded = false;  // counted in /metrics (once: a stream's last writes may still fail after)
   Clock::time_point submitted = Clock::now();
   int64_t created = static_cast<int64_t>(std::time(nullptr));  // the reply's "created": when it came
   Clock::time_point first_token;
   Clock::time_point last_token;
   std::vector<double> token_gaps;
   std::shared_ptr<RequestHandle> handle;
+  std::shared_ptr<const void> slot;  // the server's count of generating connections, released last
 };
 
 /// The chat-completions server of rank 0: the model, its tokenizer and chat template, an Engine, and
@@ -225,6 +227,8 @@ class Server {
                const std::shared_ptr<Completion>& c);
   void stream(httplib::Response& res, const std::string& id, const ChatRequest& chat, int64_t prompt_tokens,
               const std::shared_ptr<Completion>& c);
+  bool stream_step(const std::string& id, bool include_usage, int64_t prompt_tokens,
+                   const std::shared_ptr<Completion>& c, bool& role_sent, httplib::DataSink& sink);
   void done(const std::shared_ptr<Completion>& c);
   void finished(const std::shared_ptr<Completion>& c, int status, int64_t prompt_tokens, int64_t completion_tokens);
   /// The request's figures in /metrics.
@@ -242,6 +246,7 @@ class Server {
   int64_t created_ = static_cast<int64_t>(std::time(nullptr));  // /v1/models: when the server started
   std::atomic<int64_t> next_id_{1};
   std::atomic<bool> draining_{false};
+  std::atomic<int> generating_{0};  // requests from admission to their end (kReservedThreads)
   std::mutex active_mu_;
   std::set<std::shared_ptr<Completion>> active_;
   std::mutex metrics_mu_;

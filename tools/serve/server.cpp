@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
+#include <cctype>
 #include <filesystem>
 
 #include "serve_internal.h"
@@ -45,8 +47,10 @@ void Server::install(httplib::Server& svr) {
   // Before a body is read: the key, then what the body may be.
   svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     auto refuse = [&](const ApiError& e) {
+      // The body stays unread, so the connection cannot carry another request: the client is
+      // told not to reuse it (the HTTP library, 0.11.4, answers nothing more on it).
       reply_error(res, e);
-      res.set_header("Connection", "close");  // the body was not read
+      res.set_header("Connection", "close");
       count_status(e.status);
       return httplib::Server::HandlerResponse::Handled;
     };
@@ -98,17 +102,28 @@ const ApiError* Server::body_refusal(const httplib::Request& req) const {
   // inflated, and a chunked one read, whole before any check.
   static const ApiError compressed(415, "request bodies are read as sent: no Content-Encoding (send plain JSON)", "",
                                    "invalid_request_error", "unsupported_content_encoding");
-  static const ApiError unsized(411, "a request body needs a Content-Length (chunked bodies are not read)", "",
-                                "invalid_request_error", "length_required");
+  static const ApiError unsized(
+      411, "a request body needs a Content-Length and no Transfer-Encoding (chunked bodies are not read)", "",
+      "invalid_request_error", "length_required");
   static const ApiError not_json(415, "the request body must be JSON (Content-Type: application/json)", "",
                                  "invalid_request_error", "unsupported_media_type");
-  const std::string encoding = req.get_header_value("Content-Encoding");
+  if (req.method != "POST") return nullptr;  // nothing else reads a body
+  // A value in lower case, without its parameters (application/json; charset=utf-8).
+  auto value = [&](const char* header) {
+    std::string v = req.get_header_value(header);
+    v = v.substr(0, v.find(';'));
+    while (!v.empty() && v.back() == ' ') v.pop_back();
+    for (char& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    return v;
+  };
+  const std::string encoding = value("Content-Encoding");
   if (!encoding.empty() && encoding != "identity") return &compressed;
-  if (req.method != "POST") return nullptr;
-  if (!req.has_header("Content-Length") && req.has_header("Transfer-Encoding")) return &unsized;
-  // A form body (curl -d's default type) is also cut at 8 KiB by the HTTP library, before any check.
-  const std::string type = req.get_header_value("Content-Type");
-  if (!type.empty() && type.rfind("application/json", 0) != 0) return &not_json;
+  // Chunked (with or without a Content-Length beside it) or unsized (read until the client
+  // closes): neither is held to --max-body-bytes by the HTTP library.
+  if (req.has_header("Transfer-Encoding") || !req.has_header("Content-Length")) return &unsized;
+  // A form body (curl -d's default type) the HTTP library would answer 413 past 8 KiB.
+  const std::string type = value("Content-Type");
+  if (!type.empty() && type != "application/json") return &not_json;
   return nullptr;
 }
 
@@ -127,6 +142,19 @@ void Server::admit_chat(const httplib::Request& req, httplib::Response& res) {
   const std::string id = fmt::format("chatcmpl-{}", number);
   try {
     if (draining_.load()) throw ApiError(503, "the server is shutting down", "", "server_error", "shutting_down");
+    // A connection that may generate, taken before any work and held until the request ends
+    // (its Completion, kept by the stream's callbacks, holds it).
+    const int slots = options_.threads - kReservedThreads;
+    if (generating_.fetch_add(1) >= slots) {
+      generating_.fetch_sub(1);
+      res.set_header("Retry-After", "1");
+      throw ApiError(429,
+                     fmt::format("all {} connections that may generate are busy (--threads {} keeps {} for /health, "
+                                 "/metrics and refusals); try again later",
+                                 slots, options_.threads, kReservedThreads),
+                     "", "rate_limit_error", "connections_busy");
+    }
+    const std::shared_ptr<const void> slot(nullptr, [this](const void*) { generating_.fetch_sub(1); });
     Json body;
     try {
       // Depth first, on the raw text: a body nested thousands of levels deep never reaches the parser.
@@ -149,6 +177,10 @@ void Server::admit_chat(const httplib::Request& req, httplib::Response& res) {
     }
     const int64_t context = model_->traits().max_sequence_length;
     const auto prompt_tokens = static_cast<int64_t>(prompt.ids.size());
+    // No max_tokens asked for: --default-max-tokens, or the context the prompt leaves if less.
+    if (!chat.max_tokens_given && context > 0 && prompt_tokens < context) {
+      chat.max_tokens = std::min(chat.max_tokens, context - prompt_tokens);
+    }
     if (context > 0 && prompt_tokens + chat.max_tokens > context) {
       throw ApiError(400,
                      fmt::format("the prompt has {} tokens and max_tokens is {}: {} in all, above the model's "
@@ -156,21 +188,13 @@ void Server::admit_chat(const httplib::Request& req, httplib::Response& res) {
                                  prompt_tokens, chat.max_tokens, prompt_tokens + chat.max_tokens, context),
                      "messages", "invalid_request_error", "context_length_exceeded");
     }
-    const size_t slots = static_cast<size_t>(options_.threads - kReservedThreads);
-    if (in_flight() >= slots) {
-      res.set_header("Retry-After", "1");
-      throw ApiError(429,
-                     fmt::format("all {} connections that may generate are busy (--threads {} keeps {} for /health, "
-                                 "/metrics and refusals); try again later",
-                                 slots, options_.threads, kReservedThreads),
-                     "", "rate_limit_error", "connections_busy");
-    }
     if (engine_->metrics().waiting >= options_.max_waiting) {
       res.set_header("Retry-After", "1");
       throw ApiError(429, fmt::format("{} requests are waiting; try again later", options_.max_waiting), "",
                      "rate_limit_error", "queue_full");
     }
     auto completion = std::make_shared<Completion>(*tokenizer_, chat.stop, chat.logprobs);
+    completion->slot = slot;
     GenerateRequest request({prompt.ids}, prompt.vision);
     request.on_token = [completion](const TokenEvent& e) { return completion->on_token(e); };
     auto config = GenerationConfig()

@@ -16,6 +16,13 @@ const char* finish_reason(const Completion& c, FinishReason r) {
   return r == FinishReason::kLength ? "length" : "stop";
 }
 
+/// Cancelled by the server (the grace period of a shutdown ended), not ended by a stop string
+/// (whose callback also ends the row with kCancelled).
+bool cut_by_shutdown(const Completion& c, FinishReason r) { return r == FinishReason::kCancelled && !c.stop_hit; }
+
+const char* const kCutByShutdown =
+    "the server shut down before the reply was complete (in-flight requests get --grace-seconds)";
+
 /// The message of the exception being handled, whatever its type.
 std::string current_exception_text() {
   try {
@@ -49,15 +56,22 @@ Json Server::chunk(const std::string& id, int64_t created, const Json& delta, co
 
 void Server::respond(httplib::Response& res, const std::string& id, const ChatRequest& chat, int64_t prompt_tokens,
                      const std::shared_ptr<Completion>& c) {
+  struct NoLongerActive {  // however respond ends, the request is no longer in flight
+    Server& server;
+    const std::shared_ptr<Completion>& c;
+    ~NoLongerActive() { server.done(c); }
+  } no_longer_active{*this, c};
   GenerationResult result;
   try {
     result = c->handle->wait();
   } catch (...) {  // whatever the engine passed on (a vlmgen::Error, LibTorch's, std::bad_alloc)
-    done(c);
     throw ApiError(500, fmt::format("generation failed: {}", current_exception_text()), "", "server_error");
   }
   c->finish();
   const SequenceOutput& out = result.sequences.at(0);
+  if (cut_by_shutdown(*c, out.finish_reason)) {
+    throw ApiError(503, kCutByShutdown, "", "server_error", "shutting_down");
+  }
   Json choice = {{"index", 0},
                  {"message", {{"role", "assistant"}, {"content", c->text}}},
                  {"finish_reason", finish_reason(*c, out.finish_reason)},
@@ -82,85 +96,119 @@ void Server::stream(httplib::Response& res, const std::string& id, const ChatReq
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [this, id, chat, prompt_tokens, c, role_sent](size_t, httplib::DataSink& sink) {
-        auto write = [&](const std::string& s) { return sink.write(s.data(), s.size()); };
-        if (!*role_sent) {
-          *role_sent = true;
-          return write(sse(chunk(id, c->created, {{"role", "assistant"}, {"content", ""}}, Json())));
-        }
-        std::string delta;
-        Json logprobs;
-        bool ended = false;
-        {
-          std::unique_lock<std::mutex> lock(c->mu);
-          c->cv.wait_for(lock, std::chrono::milliseconds(50),
-                         [&] { return c->text.size() > c->sent || c->handle->done(); });
-          ended = c->handle->done();
-          delta = c->text.substr(c->sent);
-          c->sent = c->text.size();
-          if (c->want_logprobs && c->logprobs.size() > c->logprobs_sent) {
-            logprobs = {{"content", Json(std::vector<Json>(c->logprobs.begin() + static_cast<long>(c->logprobs_sent),
-                                                           c->logprobs.end()))}};
-            c->logprobs_sent = c->logprobs.size();
+      [this, id, include_usage = chat.include_usage, prompt_tokens, c, role_sent](size_t, httplib::DataSink& sink) {
+        try {
+          return stream_step(id, include_usage, prompt_tokens, c, *role_sent, sink);
+        } catch (...) {  // an exception leaving this callback would end the process: the stream ends instead
+          const std::string why = current_exception_text();
+          try {
+            const std::string event =
+                sse(error_body(ApiError(500, "the server failed on this stream: " + why, "", "server_error")));
+            sink.write(event.data(), event.size());
+            record(c, 500, prompt_tokens, 0);
+            sink.done();
+          } catch (...) {
           }
-        }
-        if ((!delta.empty() || !logprobs.is_null()) &&
-            !write(sse(chunk(id, c->created, {{"content", delta}}, Json(), logprobs)))) {
+          done(c);
           return false;
         }
-        if (!ended) return true;
-        GenerationResult result;
-        try {
-          result = c->handle->wait();
-        } catch (...) {  // any type: an exception leaving this provider would end the process
-          write(sse(error_body(
-              ApiError(500, fmt::format("generation failed: {}", current_exception_text()), "", "server_error"))));
-          record(c, 500, prompt_tokens, 0);  // counted before the client can see the end
-          write("data: [DONE]\n\n");
-          sink.done();
-          done(c);  // in flight (a draining server waits) until the last bytes are out
-          return true;
-        }
-        c->finish();
-        std::string rest;
-        {
-          std::lock_guard<std::mutex> lock(c->mu);
-          rest = c->text.substr(c->sent);
-          c->sent = c->text.size();
-        }
-        if (!rest.empty()) write(sse(chunk(id, c->created, {{"content", rest}}, Json())));
-        const SequenceOutput& out = result.sequences.at(0);
-        write(sse(chunk(id, c->created, Json::object(), finish_reason(*c, out.finish_reason))));
-        const auto completion_tokens = static_cast<int64_t>(out.tokens.size());
-        if (chat.include_usage) {
-          write(sse({{"id", id},
-                     {"object", "chat.completion.chunk"},
-                     {"created", c->created},
-                     {"model", model_name_},
-                     {"choices", Json::array()},
-                     {"usage", usage(prompt_tokens, completion_tokens)}}));
-        }
-        // Counted before the last bytes go out: a client that reads /metrics right after its
-        // stream ends sees its request there. In flight until they are out.
-        record(c, 200, prompt_tokens, completion_tokens);
-        write("data: [DONE]\n\n");
-        sink.done();
-        done(c);
-        fmt::print(stderr, "[serve] {} 200 (stream) prompt {} completion {} {:.3f} s\n", id, prompt_tokens,
-                   completion_tokens, seconds_between(c->submitted, Clock::now()));
-        return true;
       },
       [this, id, c](bool success) {
         if (success) return;
         // The client went away: cancel, and account for the request once the engine ends it.
-        c->handle->cancel();
+        // (Called from the response's destructor: nothing may leave it.)
         try {
-          c->handle->wait();
-        } catch (...) {  // cancelled, or failed: either way it is over
+          c->handle->cancel();
+          try {
+            c->handle->wait();
+          } catch (...) {  // cancelled, or failed: either way it is over
+          }
+          finished(c, 499, 0, 0);
+          fmt::print(stderr, "[serve] {} 499 client closed the stream; cancelled\n", id);
+        } catch (...) {
+          done(c);
         }
-        finished(c, 499, 0, 0);
-        fmt::print(stderr, "[serve] {} 499 client closed the stream; cancelled\n", id);
       });
+}
+
+/// One call of a stream's content provider: the role chunk first, then whatever text came, then
+/// (once the engine is done) the end: finish_reason, usage, [DONE]. False: the client is gone.
+bool Server::stream_step(const std::string& id, bool include_usage, int64_t prompt_tokens,
+                         const std::shared_ptr<Completion>& c, bool& role_sent, httplib::DataSink& sink) {
+  auto write = [&](const std::string& s) { return sink.write(s.data(), s.size()); };
+  if (!role_sent) {
+    role_sent = true;
+    return write(sse(chunk(id, c->created, {{"role", "assistant"}, {"content", ""}}, Json())));
+  }
+  std::string delta;
+  Json logprobs;
+  bool ended = false;
+  {
+    std::unique_lock<std::mutex> lock(c->mu);
+    c->cv.wait_for(lock, std::chrono::milliseconds(50), [&] { return c->text.size() > c->sent || c->handle->done(); });
+    ended = c->handle->done();
+    delta = c->text.substr(c->sent);
+    c->sent = c->text.size();
+    if (c->want_logprobs && c->logprobs.size() > c->logprobs_sent) {
+      logprobs = {{"content", Json(std::vector<Json>(c->logprobs.begin() + static_cast<long>(c->logprobs_sent),
+                                                     c->logprobs.end()))}};
+      c->logprobs_sent = c->logprobs.size();
+    }
+  }
+  if ((!delta.empty() || !logprobs.is_null()) &&
+      !write(sse(chunk(id, c->created, {{"content", delta}}, Json(), logprobs)))) {
+    return false;
+  }
+  if (!ended) return true;
+  // An end without a finish_reason: the error as an event, counted before the client can see the
+  // end, and in flight (a draining server waits) until the last bytes are out.
+  auto end_with = [&](const ApiError& e, int64_t completion_tokens) {
+    write(sse(error_body(e)));
+    record(c, e.status, prompt_tokens, completion_tokens);
+    write("data: [DONE]\n\n");
+    sink.done();
+    done(c);
+    return true;
+  };
+  GenerationResult result;
+  try {
+    result = c->handle->wait();
+  } catch (...) {  // any type (an exception leaving the provider would end the process)
+    return end_with(ApiError(500, fmt::format("generation failed: {}", current_exception_text()), "", "server_error"),
+                    0);
+  }
+  c->finish();
+  std::string rest;
+  {
+    std::lock_guard<std::mutex> lock(c->mu);
+    rest = c->text.substr(c->sent);
+    c->sent = c->text.size();
+  }
+  if (!rest.empty()) write(sse(chunk(id, c->created, {{"content", rest}}, Json())));
+  const SequenceOutput& out = result.sequences.at(0);
+  if (cut_by_shutdown(*c, out.finish_reason)) {
+    return end_with(ApiError(503, kCutByShutdown, "", "server_error", "shutting_down"),
+                    static_cast<int64_t>(out.tokens.size()));
+  }
+  write(sse(chunk(id, c->created, Json::object(), finish_reason(*c, out.finish_reason))));
+  const auto completion_tokens = static_cast<int64_t>(out.tokens.size());
+  if (include_usage) {
+    write(sse({{"id", id},
+               {"object", "chat.completion.chunk"},
+               {"created", c->created},
+               {"model", model_name_},
+               {"choices", Json::array()},
+               {"usage", usage(prompt_tokens, completion_tokens)}}));
+  }
+  // Counted before the last bytes go out: a client that reads /metrics right after its
+  // stream ends sees its request there. In flight until they are out.
+  record(c, 200, prompt_tokens, completion_tokens);
+  write("data: [DONE]\n\n");
+  sink.done();
+  done(c);
+  fmt::print(stderr, "[serve] {} 200 (stream) prompt {} completion {} {:.3f} s\n", id, prompt_tokens, completion_tokens,
+             seconds_between(c->submitted, Clock::now()));
+  return true;
 }
 
 void Server::done(const std::shared_ptr<Completion>& c) {
@@ -176,6 +224,11 @@ void Server::finished(const std::shared_ptr<Completion>& c, int status, int64_t 
 
 void Server::record(const std::shared_ptr<Completion>& c, int status, int64_t prompt_tokens,
                     int64_t completion_tokens) {
+  {
+    std::lock_guard<std::mutex> c_lock(c->mu);
+    if (c->recorded) return;
+    c->recorded = true;
+  }
   std::lock_guard<std::mutex> lock(metrics_mu_);
   ++requests_by_status_[status];
   prompt_tokens_ += prompt_tokens;

@@ -126,9 +126,9 @@ struct ChatPrompt {
 /// token (Qwen-VL: <|vision_start|> <|image_pad|>... <|vision_end|>; Gemma-3: <start_of_image>
 /// <image_soft_token>... <end_of_image>).
 struct VisionTokenIds {
-  int64_t vision_start = 0;
-  int64_t image_pad = 0;
-  int64_t vision_end = 0;
+  int64_t vision_start = -1;  // -1: not set (no token has it)
+  int64_t image_pad = -1;
+  int64_t vision_end = -1;
 };
 
 /// How a model family writes images into a prompt and preprocesses them: what the family's HF
