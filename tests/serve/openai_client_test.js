@@ -263,6 +263,8 @@ async function main() {
   check(await rawStatus(head + 'Transfer-Encoding: chunked\r\nContent-Length: 1\r\n\r\n') === 411,
         'chunked with a Content-Length beside it: 411');
   check(await rawStatus(head + '\r\n{"messages":') === 411, 'a body without any length: 411');
+  check(await rawStatus('PUT /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n') === 405,
+        'a PUT, no key needed off /v1 (its body the HTTP library would read whole): 405 before it is read');
   const health = await raw('/health', { method: 'GET', headers: { 'Content-Encoding': 'gzip' } });
   check(health.status === 200, 'GET /health with a Content-Encoding header: 200 (no body is read)', health);
   const typed = await post(ok, { headers: { 'Content-Type': 'Application/JSON; charset=utf-8' } });
@@ -271,7 +273,7 @@ async function main() {
   check(unknown.status === 404 && unknown.body.error, 'unknown path: 404 with an error object', unknown);
   const again = await client.chat.completions.create(greedy);
   check(again.choices[0].message.content === expected.text, 'still serving correct answers after bad requests');
-  console.log(`OK ${bad.length + 4} bad requests answered with their status and field; still serving`);
+  console.log(`OK ${bad.length + 5} bad requests answered with their status and field; still serving`);
 
   // Sampling without a seed differs from request to request (with one it repeats); each reply's
   // 'created' is its own time.
@@ -392,13 +394,18 @@ async function cut() {
   const streamed = await fetch(url + '/v1/chat/completions', { method: 'POST', headers, body: body(true) });
   const reader = streamed.body.getReader();
   let text = new TextDecoder().decode((await reader.read()).value);
+  for (let i = 0; i < 200 && (await metric('vlmgen_requests_running')) < 2; i++) {
+    await new Promise((res) => setTimeout(res, 20));
+  }
+  check((await metric('vlmgen_requests_running')) === 2, 'both requests running before the signal');
   console.log('2 requests open');
   for (let r = await reader.read(); !r.done; r = await reader.read()) text += new TextDecoder().decode(r.value);
   const reply = await whole;
   const replyBody = await reply.json();
-  check(reply.status === 503 && replyBody.error && replyBody.error.code === 'shutting_down',
-        'a reply the shutdown cut: 503 shutting_down', { status: reply.status, body: replyBody });
-  check(text.includes('"code":"shutting_down"') && !text.includes('"finish_reason":"stop"') &&
+  const cutSays = 'shut down before the reply was complete';
+  check(reply.status === 503 && replyBody.error && replyBody.error.code === 'shutting_down' &&
+        replyBody.error.message.includes(cutSays), 'a reply the shutdown cut: 503 shutting_down', { status: reply.status, body: replyBody });
+  check(text.includes('"code":"shutting_down"') && text.includes(cutSays) && !text.includes('"finish_reason":"stop"') &&
         !text.includes('"finish_reason":"length"') && text.trim().endsWith('data: [DONE]'),
         'a stream the shutdown cut: an error event, no finish_reason, then [DONE]', text.slice(-400));
   console.log(`OK cut by shutdown: 503 reply, error event in the stream (${checks} checks)`);

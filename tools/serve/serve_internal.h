@@ -35,6 +35,16 @@ inline double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
+/// A line on stderr that never throws (a closed log pipe or a full disk must not turn a reply
+/// that has gone out into a failed one).
+template <class... Args>
+void log_line(fmt::format_string<Args...> format, Args&&... args) noexcept {
+  try {
+    fmt::print(stderr, format, std::forward<Args>(args)...);
+  } catch (...) {
+  }
+}
+
 /// HTTP worker threads kept from generating: a stream holds its thread to the end, so with every
 /// thread streaming nothing would answer /health, /metrics or a refusal (429).
 constexpr int kReservedThreads = 4;
@@ -190,6 +200,7 @@ class Server {
   /// Cancels every request in flight (the grace period is over).
   void cancel_all() {
     std::lock_guard<std::mutex> lock(active_mu_);
+    cancelled_all_ = true;  // a request admitted from now on is cancelled as it enters
     for (const auto& c : active_) {
       if (c->handle) c->handle->cancel();
     }
@@ -236,6 +247,9 @@ class Server {
   std::string metrics_text();
 
   Options options_;
+  // Requests from admission to their end (kReservedThreads). Declared before the engine, which
+  // may drop a request's last reference (and so release its slot) as it is destroyed.
+  std::atomic<int> generating_{0};
   std::unique_ptr<CausalVlm> model_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<ChatProcessor> processor_;
@@ -246,9 +260,9 @@ class Server {
   int64_t created_ = static_cast<int64_t>(std::time(nullptr));  // /v1/models: when the server started
   std::atomic<int64_t> next_id_{1};
   std::atomic<bool> draining_{false};
-  std::atomic<int> generating_{0};  // requests from admission to their end (kReservedThreads)
   std::mutex active_mu_;
   std::set<std::shared_ptr<Completion>> active_;
+  bool cancelled_all_ = false;  // under active_mu_
   std::mutex metrics_mu_;
   std::map<int, int64_t> requests_by_status_;
   int64_t prompt_tokens_ = 0;

@@ -59,6 +59,13 @@ void Server::install(httplib::Server& svr) {
       return refuse(ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", "", "authentication_error",
                              "invalid_api_key"));
     }
+    if (req.method != "GET" && req.method != "HEAD" && req.method != "POST") {
+      // The HTTP library reads a PUT's, PATCH's or DELETE's body before it finds no route, with
+      // no limit: refused first.
+      res.set_header("Allow", "GET, HEAD, POST");
+      return refuse(ApiError(405, fmt::format("method {} is not served (GET or POST)", req.method.substr(0, 16)), "",
+                             "invalid_request_error", "method_not_allowed"));
+    }
     if (const ApiError* e = body_refusal(req)) return refuse(*e);
     return httplib::Server::HandlerResponse::Unhandled;
   });
@@ -107,7 +114,7 @@ const ApiError* Server::body_refusal(const httplib::Request& req) const {
       "invalid_request_error", "length_required");
   static const ApiError not_json(415, "the request body must be JSON (Content-Type: application/json)", "",
                                  "invalid_request_error", "unsupported_media_type");
-  if (req.method != "POST") return nullptr;  // nothing else reads a body
+  if (req.method != "POST") return nullptr;  // GET and HEAD bodies are not read (others are refused)
   // A value in lower case, without its parameters (application/json; charset=utf-8).
   auto value = [&](const char* header) {
     std::string v = req.get_header_value(header);
@@ -133,7 +140,7 @@ void Server::chat_completions(const httplib::Request& req, httplib::Response& re
   } catch (const std::exception& e) {  // not a refusal of the request: a failure of ours, said so
     reply_error(res, ApiError(500, fmt::format("the server failed on this request: {}", e.what()), "", "server_error"));
     count_status(500);
-    fmt::print(stderr, "[serve] 500 {}\n", e.what());
+    log_line("[serve] 500 {}\n", e.what());
   }
 }
 
@@ -218,6 +225,7 @@ void Server::admit_chat(const httplib::Request& req, httplib::Response& res) {
     {
       std::lock_guard<std::mutex> lock(active_mu_);
       active_.insert(completion);
+      if (cancelled_all_) completion->handle->cancel();  // admitted after the grace period ended
     }
     if (chat.stream) {
       stream(res, id, chat, prompt_tokens, completion);
@@ -227,7 +235,7 @@ void Server::admit_chat(const httplib::Request& req, httplib::Response& res) {
   } catch (const ApiError& e) {
     reply_error(res, e);
     count_status(e.status);
-    fmt::print(stderr, "[serve] {} {} {}\n", id, e.status, e.what());
+    log_line("[serve] {} {} {}\n", id, e.status, e.what());
   }
 }
 

@@ -86,8 +86,8 @@ void Server::respond(httplib::Response& res, const std::string& id, const ChatRe
                {"usage", usage(prompt_tokens, completion_tokens)}};
   res.set_content(json_text(body), "application/json");
   finished(c, 200, prompt_tokens, completion_tokens);
-  fmt::print(stderr, "[serve] {} 200 prompt {} completion {} {:.3f} s\n", id, prompt_tokens, completion_tokens,
-             seconds_between(c->submitted, Clock::now()));
+  log_line("[serve] {} 200 prompt {} completion {} {:.3f} s\n", id, prompt_tokens, completion_tokens,
+           seconds_between(c->submitted, Clock::now()));
 }
 
 void Server::stream(httplib::Response& res, const std::string& id, const ChatRequest& chat, int64_t prompt_tokens,
@@ -124,7 +124,7 @@ void Server::stream(httplib::Response& res, const std::string& id, const ChatReq
           } catch (...) {  // cancelled, or failed: either way it is over
           }
           finished(c, 499, 0, 0);
-          fmt::print(stderr, "[serve] {} 499 client closed the stream; cancelled\n", id);
+          log_line("[serve] {} 499 client closed the stream; cancelled\n", id);
         } catch (...) {
           done(c);
         }
@@ -206,8 +206,8 @@ bool Server::stream_step(const std::string& id, bool include_usage, int64_t prom
   write("data: [DONE]\n\n");
   sink.done();
   done(c);
-  fmt::print(stderr, "[serve] {} 200 (stream) prompt {} completion {} {:.3f} s\n", id, prompt_tokens, completion_tokens,
-             seconds_between(c->submitted, Clock::now()));
+  log_line("[serve] {} 200 (stream) prompt {} completion {} {:.3f} s\n", id, prompt_tokens, completion_tokens,
+           seconds_between(c->submitted, Clock::now()));
   return true;
 }
 
