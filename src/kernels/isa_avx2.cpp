@@ -16,6 +16,7 @@ struct Avx2 {
   static constexpr int64_t kLanes = 8;
   static constexpr int kOutTile = 4;  // 4 x 2 accumulators + 2 inputs + 1 weight of 16 registers
   static constexpr int kRowTile = 2;
+  static constexpr int kF32RowTile = 2;
   static constexpr int kGemmOutTile = 3;  // 3 x 3 accumulators + 3 inputs + 1 weight of 16 registers
   static constexpr int kGemmRowTile = 3;
   // Products of up to this many rows read the weights as far-apart streams (streams_rows): 1 row

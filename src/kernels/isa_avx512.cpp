@@ -17,6 +17,11 @@ struct Avx512 {
   static constexpr int64_t kLanes = 16;
   static constexpr int kOutTile = 4;  // 4 x 4 accumulators + 4 inputs + 1 weight of 32 registers
   static constexpr int kRowTile = 4;
+  // f32 (see row_tile): 4 x 6 accumulators + 6 inputs + 1 weight. The bench's 85 products, one
+  // process alternating builds, medians of 15: 16 rows 30.4 -> 28.6 ms (passes 6 + 5 + 5, with
+  // tile_sums), 12 rows 25.2 -> 23.5; 4 and 8 rows unchanged (one pass of 4, two of 4). 4 x 4
+  // with tile_sums alone: 29.9 and 24.8.
+  static constexpr int kF32RowTile = 6;
   static constexpr int kGemmOutTile = 6;  // 6 x 4 accumulators + 4 inputs + 1 weight of 32 registers
   static constexpr int kGemmRowTile = 4;
   // Products of up to this many rows read the weights as far-apart streams (streams_rows); the

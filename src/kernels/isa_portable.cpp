@@ -16,6 +16,7 @@ struct Portable {
   static constexpr int64_t kLanes = 8;
   static constexpr int kOutTile = 4;
   static constexpr int kRowTile = 2;
+  static constexpr int kF32RowTile = 2;
   static constexpr int kGemmOutTile = 4;
   static constexpr int kGemmRowTile = 2;
   template <WeightType T>

@@ -36,7 +36,7 @@ TEST(CpuKernels, LinearMatchesFloat64OnEveryPathWeightTypeAndRowCount) {
       at::Tensor weight = at::randn({out, in}).to(wt);
       at::Tensor wide = weight.to(at::kDouble);  // the weights as stored, exactly
       at::Tensor bias = at::randn({out});
-      for (int64_t rows : {1, 2, 3, 4, 5, 7, 16, 17}) {
+      for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 12, 16, 17}) {
         at::Tensor x = at::randn({rows, in});
         at::Tensor want = at::linear(x.to(at::kDouble), wide, bias.to(at::kDouble));
         at::Tensor term_scale = at::matmul(x.abs().to(at::kDouble), wide.abs().t()) + bias.abs().to(at::kDouble);
@@ -79,7 +79,8 @@ TEST(CpuKernels, FewRowProductsGiveTheSameBitsWhetherTheyStreamWeightRowsAndWhat
       const at::Tensor weight = at::randn({out, in}).to(wt);
       const at::Tensor wide = weight.to(at::kDouble);
       const at::Tensor bias = at::randn({out});
-      for (int64_t rows : {1, 2, 3, 4, 5, 16}) {
+      // Row counts in one pass and in several (f32 on AVX-512: passes of up to 6 rows, 16 = 6 + 5 + 5).
+      for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 12, 16}) {
         const at::Tensor x = at::randn({rows, in});
         const at::Tensor want = at::linear(x.to(at::kDouble), wide, bias.to(at::kDouble));
         const at::Tensor term_scale = at::matmul(x.abs().to(at::kDouble), wide.abs().t()) + bias.abs().to(at::kDouble);
@@ -95,8 +96,9 @@ TEST(CpuKernels, FewRowProductsGiveTheSameBitsWhetherTheyStreamWeightRowsAndWhat
           streamed = kernels::linear_on(isa, x, weight, bias);
           EXPECT_LT(relative_error(streamed, want, term_scale), 4e-6 * std::sqrt(static_cast<double>(in)));
           EXPECT_TRUE(at::equal(streamed, tiles)) << "max |diff| " << (streamed - tiles).abs().max().item<double>();
-          for (int64_t r : {int64_t{0}, rows - 1})
-            EXPECT_TRUE(at::equal(kernels::linear_on(isa, x.narrow(0, r, 1), weight, bias), streamed.narrow(0, r, 1)));
+          for (int64_t r = 0; r < rows; ++r)
+            EXPECT_TRUE(at::equal(kernels::linear_on(isa, x.narrow(0, r, 1), weight, bias), streamed.narrow(0, r, 1)))
+                << "row " << r;
         }
       }
     }
