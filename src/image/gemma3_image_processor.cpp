@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../io/json_parse.h"
+#include "config_fields.h"
 #include "vlmgen/error.h"
 #include "vlmgen/image/preprocessor_config.h"
 #include "vlmgen/image/qwen_image_processor.h"
@@ -17,6 +18,7 @@ VisionInputs preprocess_gemma3(const std::vector<Image>& images, const Gemma3Ima
   VLMGEN_CHECK(!images.empty(), "preprocess_gemma3 needs at least one image");
   VLMGEN_CHECK(options.size >= 1 && options.size <= 8192, "gemma3 image size must be in [1, 8192], got {}",
                options.size);
+  detail::check_normalization(options.image_mean, options.image_std, options.rescale_factor, "gemma3 image options");
   const auto opts = at::TensorOptions().dtype(at::kFloat);
   const at::Tensor mean = at::tensor(std::vector<double>(options.image_mean.begin(), options.image_mean.end()), opts);
   const at::Tensor std = at::tensor(std::vector<double>(options.image_std.begin(), options.image_std.end()), opts);
@@ -61,26 +63,25 @@ Gemma3ImageProcessorOptions parse_gemma3_preprocessor_config(std::string_view js
       VLMGEN_CHECK(!v->get<bool>(), "{}: do_pan_and_scan is true; pan-and-scan crops are not implemented", what);
     }
     if (const auto* v = field("resample")) {
-      VLMGEN_CHECK(v->get<int64_t>() == 2, "{}: resample {} is not supported; expected 2 (bilinear)", what,
-                   v->get<int64_t>());
+      const int64_t filter = detail::config_int(*v, what, "resample");
+      VLMGEN_CHECK(filter == 2, "{}: resample {} is not supported; expected 2 (bilinear)", what, filter);
     }
     if (const auto* size = field("size")) {
-      const int64_t h = size->at("height").get<int64_t>(), w = size->at("width").get<int64_t>();
+      VLMGEN_CHECK(size->is_object(), "{}: size is {}; expected {{\"height\": ..., \"width\": ...}}", what,
+                   detail::json_excerpt(*size));
+      const int64_t h = detail::config_int(size->at("height"), what, "size.height");
+      const int64_t w = detail::config_int(size->at("width"), what, "size.width");
       VLMGEN_CHECK(h == w, "{}: size {}x{} (height x width) is not square", what, h, w);
       o.size = h;
     }
-    if (const auto* v = field("rescale_factor")) o.rescale_factor = v->get<double>();
-    for (const auto& [key, target] :
-         {std::pair<const char*, std::array<double, 3>*>{"image_mean", &o.image_mean}, {"image_std", &o.image_std}}) {
-      if (const auto* v = field(key)) {
-        VLMGEN_CHECK(v->is_array() && v->size() == 3, "{}: {} must hold 3 numbers, got {}", what, key, v->dump());
-        for (size_t c = 0; c < 3; ++c) (*target)[c] = v->at(c).get<double>();
-      }
-    }
+    if (const auto* v = field("rescale_factor")) o.rescale_factor = detail::config_number(*v, what, "rescale_factor");
+    if (const auto* v = field("image_mean")) o.image_mean = detail::config_triple(*v, what, "image_mean");
+    if (const auto* v = field("image_std")) o.image_std = detail::config_triple(*v, what, "image_std");
   } catch (const nlohmann::json::exception& e) {
     VLMGEN_FAIL("{}: a field has the wrong type: {}", what, e.what());
   }
   for (double s : o.image_std) VLMGEN_CHECK(s > 0, "{}: image_std must be positive, got {}", what, s);
+  detail::check_normalization(o.image_mean, o.image_std, o.rescale_factor, what);
   return o;
 }
 
@@ -88,7 +89,7 @@ Gemma3ImageProcessorOptions gemma3_image_processor(const std::string& dir, int64
   const std::filesystem::path path = std::filesystem::path(dir) / kPreprocessorConfigFile;
   Gemma3ImageProcessorOptions o;
   o.size = image_size;
-  if (!std::filesystem::exists(path)) return o;
+  if (!file_exists(path.string(), "preprocessor config")) return o;
   o = parse_gemma3_preprocessor_config(
       read_regular_file(path.string(), "preprocessor config", kMaxPreprocessorConfigBytes), path.string(), image_size);
   VLMGEN_CHECK(o.size == image_size, "{}: size {} disagrees with the vision tower's image_size {}", path.string(),

@@ -5,6 +5,7 @@
 #include <fstream>
 
 #include "../io/json_parse.h"
+#include "config_fields.h"
 #include "vlmgen/error.h"
 #include "vlmgen/io/files.h"
 
@@ -38,14 +39,21 @@ void check_type(const Json& j, const std::string& what) {
       what, quote_excerpt(type));
 }
 
-void read_pixel_bounds(const Json& j, QwenImageProcessorOptions& options) {
+void read_pixel_bounds(const Json& j, const std::string& what, QwenImageProcessorOptions& options) {
+  using detail::config_int;
   if (j.contains("size") && !j.at("size").is_null()) {
     const Json& size = j.at("size");
-    if (size.contains("shortest_edge")) options.min_pixels(size.at("shortest_edge").get<int64_t>());
-    if (size.contains("longest_edge")) options.max_pixels(size.at("longest_edge").get<int64_t>());
+    VLMGEN_CHECK(size.is_object(), "{}: size is {}; expected {{\"shortest_edge\": ..., \"longest_edge\": ...}}", what,
+                 detail::json_excerpt(size));
+    if (size.contains("shortest_edge"))
+      options.min_pixels(config_int(size.at("shortest_edge"), what, "size.shortest_edge"));
+    if (size.contains("longest_edge"))
+      options.max_pixels(config_int(size.at("longest_edge"), what, "size.longest_edge"));
   }
-  if (j.contains("min_pixels") && !j.at("min_pixels").is_null()) options.min_pixels(j.at("min_pixels").get<int64_t>());
-  if (j.contains("max_pixels") && !j.at("max_pixels").is_null()) options.max_pixels(j.at("max_pixels").get<int64_t>());
+  if (j.contains("min_pixels") && !j.at("min_pixels").is_null())
+    options.min_pixels(config_int(j.at("min_pixels"), what, "min_pixels"));
+  if (j.contains("max_pixels") && !j.at("max_pixels").is_null())
+    options.max_pixels(config_int(j.at("max_pixels"), what, "max_pixels"));
 }
 
 void read_fields(const Json& j, const std::string& what, QwenImageProcessorOptions& options) {
@@ -53,17 +61,22 @@ void read_fields(const Json& j, const std::string& what, QwenImageProcessorOptio
   VLMGEN_CHECK(!j.contains("do_resize") || j.at("do_resize").get<bool>(),
                "{}: do_resize is false; vlmgen's Qwen-VL processor always resizes to the patch grid", what);
   if (j.contains("resample")) {
-    const int64_t filter = j.at("resample").get<int64_t>();
+    const int64_t filter = detail::config_int(j.at("resample"), what, "resample");
     VLMGEN_CHECK(filter == 3, "{}: resample {} ({}) is not supported; expected 3 (bicubic)", what, filter,
                  resample_name(filter));
   }
-  read_pixel_bounds(j, options);
-  if (j.contains("patch_size")) options.patch_size(j.at("patch_size").get<int64_t>());
-  if (j.contains("temporal_patch_size")) options.temporal_patch_size(j.at("temporal_patch_size").get<int64_t>());
-  if (j.contains("merge_size")) options.merge_size(j.at("merge_size").get<int64_t>());
-  if (j.contains("image_mean")) options.image_mean(j.at("image_mean").get<std::array<double, 3>>());
-  if (j.contains("image_std")) options.image_std(j.at("image_std").get<std::array<double, 3>>());
-  if (j.contains("rescale_factor")) options.rescale(j.at("rescale_factor").get<double>());
+  read_pixel_bounds(j, what, options);
+  for (const auto& [key, set] :
+       {std::pair<const char*, QwenImageProcessorOptions& (QwenImageProcessorOptions::*)(int64_t)>{
+            "patch_size", &QwenImageProcessorOptions::patch_size},
+        {"temporal_patch_size", &QwenImageProcessorOptions::temporal_patch_size},
+        {"merge_size", &QwenImageProcessorOptions::merge_size}}) {
+    if (j.contains(key)) (options.*set)(detail::config_int(j.at(key), what, key));
+  }
+  if (j.contains("image_mean")) options.image_mean(detail::config_triple(j.at("image_mean"), what, "image_mean"));
+  if (j.contains("image_std")) options.image_std(detail::config_triple(j.at("image_std"), what, "image_std"));
+  if (j.contains("rescale_factor"))
+    options.rescale(detail::config_number(j.at("rescale_factor"), what, "rescale_factor"));
   if (j.contains("do_rescale") && !j.at("do_rescale").get<bool>()) options.rescale(1.0);
   if (j.contains("do_normalize") && !j.at("do_normalize").get<bool>()) {
     options.image_mean({0.0, 0.0, 0.0}).image_std({1.0, 1.0, 1.0});
@@ -91,8 +104,7 @@ QwenImageProcessorOptions parse_preprocessor_config(std::string_view json_text, 
 
 std::optional<QwenImageProcessorOptions> load_preprocessor_config(const std::string& dir) {
   const std::string path = (std::filesystem::path(dir) / kPreprocessorConfigFile).string();
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) return std::nullopt;
+  if (!file_exists(path, "preprocessor config")) return std::nullopt;
   return parse_preprocessor_config(read_regular_file(path, "preprocessor config", kMaxPreprocessorConfigBytes), path);
 }
 

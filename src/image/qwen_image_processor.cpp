@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "config_fields.h"
 #include "vlmgen/error.h"
 
 namespace vlmgen {
@@ -237,6 +238,7 @@ void QwenImageProcessorOptions::validate() const {
                  "QwenImageProcessorOptions: image_std[{}] must be finite and non-zero, got {}", c, image_std_[c]);
   }
   VLMGEN_CHECK(std::isfinite(rescale_), "QwenImageProcessorOptions: rescale must be finite, got {}", rescale_);
+  detail::check_normalization(image_mean_, image_std_, rescale_, "QwenImageProcessorOptions");
 }
 
 VisionInputs preprocess(const std::vector<Image>& images, const QwenImageProcessorOptions& options) {

@@ -6,6 +6,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <system_error>
 
 #include "vlmgen/error.h"
 
@@ -41,6 +43,16 @@ RegularFile::RegularFile(const std::string& path, const std::string& what) {
 
 RegularFile::~RegularFile() {
   if (fd_ >= 0) ::close(fd_);
+}
+
+bool file_exists(const std::string& path, const std::string& what) {
+  std::error_code ec;
+  const std::filesystem::file_status status = std::filesystem::status(path, ec);
+  if (status.type() == std::filesystem::file_type::not_found) return false;
+  if (ec == std::errc::not_a_directory) return false;  // a parent is a file
+  VLMGEN_CHECK(!ec, "{} {}: cannot tell whether it exists ({}); expected a file or nothing there", what, path,
+               ec.message());
+  return true;
 }
 
 std::string read_regular_file(const std::string& path, const std::string& what, int64_t max_bytes) {

@@ -36,10 +36,7 @@ std::string name_list(const std::vector<std::string>& names, size_t limit = 20) 
 
 // Exists at all (of any type): a FIFO named like a shard is then refused by SafetensorsFile,
 // naming what it is, rather than reported missing.
-bool exists(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0;
-}
+bool exists(const std::string& path) { return file_exists(path, "checkpoint file"); }
 
 }  // namespace
 

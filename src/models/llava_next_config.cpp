@@ -116,6 +116,13 @@ void LlavaNextConfig::validate() const {
   VLMGEN_CHECK(vision_hidden_size % vision_num_attention_heads == 0,
                "llava_next config: vision hidden_size {} is not a multiple of its num_attention_heads {}",
                vision_hidden_size, vision_num_attention_heads);
+  VLMGEN_CHECK(std::isfinite(vision_layer_norm_eps) && vision_layer_norm_eps > 0,
+               "llava_next config: vision_config.layer_norm_eps must be a positive number, got {}",
+               vision_layer_norm_eps);
+  VLMGEN_CHECK(
+      vision_feature_layer >= -(vision_num_hidden_layers + 1) && vision_feature_layer <= vision_num_hidden_layers,
+      "llava_next config: vision_feature_layer {} is outside the {} CLIP layers", vision_feature_layer,
+      vision_num_hidden_layers);
   VLMGEN_CHECK(vision_layers_used() >= 0 && vision_layers_used() <= vision_num_hidden_layers,
                "llava_next config: vision_feature_layer {} is outside the {} CLIP layers", vision_feature_layer,
                vision_num_hidden_layers);
@@ -267,7 +274,7 @@ LlavaNextConfig LlavaNextConfig::from_json(const std::string& text_in) {
                  "llava_next config: vision_feature_layer must be one integer, got {} "
                  "(several layers concatenated are not supported)",
                  detail::json_excerpt(*layer));
-    c.vision_feature_layer = layer->get<int64_t>();
+    c.vision_feature_layer = detail::as_int(*layer, field);
   }
   const std::string strategy = top.string_or("vision_feature_select_strategy", "default");
   VLMGEN_CHECK(strategy == "default",

@@ -3,14 +3,17 @@
 
 #include "vlmgen/models/quantization.h"
 
+#define PCRE2_CODE_UNIT_WIDTH 8
+
 #include <fmt/format.h>
 #include <fnmatch.h>
+#include <pcre2.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <filesystem>
-#include <regex>
+#include <memory>
 
 #include "../io/json_parse.h"
 #include "quantization_internal.h"
@@ -55,19 +58,52 @@ std::array<int64_t, 2> block_of(const Json& value, const std::string& where, con
 
 // compressed-tensors' "re:" patterns are Python regular expressions applied with re.match: anchored
 // at the start only. A leading (?i) (case-insensitive) is honoured; ECMAScript has no inline flags.
-std::regex python_match_regex(const std::string& pattern, const std::string& what) {
-  std::string body = pattern;
-  auto flags = std::regex::ECMAScript;
-  if (body.rfind("(?i)", 0) == 0) {
-    body = body.substr(4);
-    flags |= std::regex::icase;
-  }
-  try {
-    return std::regex("^(?:" + body + ")", flags);
-  } catch (const std::regex_error&) {
-    VLMGEN_FAIL("{} '{}' is not a regular expression vlmgen can read", what, quote_excerpt(pattern, 60));
-  }
+/// PCRE2's message for an error code.
+std::string pcre2_text(int code) {
+  PCRE2_UCHAR buffer[256];
+  return pcre2_get_error_message(code, buffer, sizeof buffer) < 0 ? fmt::format("error {}", code)
+                                                                  : reinterpret_cast<const char*>(buffer);
 }
+
+/// A compressed-tensors "re:" pattern as Python's re.match reads it: anchored at the module name's
+/// start, "(?i)" and the like inline. PCRE2 with a match limit: a pattern that backtracks without
+/// end (such as "(.|.)*#", which kept std::regex busy for minutes on one name) is a vlmgen::Error
+/// naming it, not a hang.
+class ModulePattern {
+ public:
+  ModulePattern(const std::string& pattern, const std::string& what) : pattern_(pattern), what_(what) {
+    VLMGEN_CHECK(pattern.size() <= kMaxPatternBytes, "{} is {} bytes long; expected at most {}", what, pattern.size(),
+                 kMaxPatternBytes);
+    int error = 0;
+    PCRE2_SIZE offset = 0;
+    code_.reset(pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_ANCHORED | PCRE2_UTF,
+                              &error, &offset, nullptr));
+    VLMGEN_CHECK(code_ != nullptr, "{} '{}' is not a regular expression vlmgen can read: {} at offset {}", what,
+                 quote_excerpt(pattern, 60), pcre2_text(error), offset);
+  }
+
+  bool matches(const std::string& module) const {
+    const std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> data(
+        pcre2_match_data_create_from_pattern(code_.get(), nullptr), pcre2_match_data_free);
+    const std::unique_ptr<pcre2_match_context, decltype(&pcre2_match_context_free)> context(
+        pcre2_match_context_create(nullptr), pcre2_match_context_free);
+    VLMGEN_CHECK(data != nullptr && context != nullptr, "{}: out of memory for a regex match", what_);
+    pcre2_set_match_limit(context.get(), kMatchLimit);
+    pcre2_set_depth_limit(context.get(), kMatchLimit);
+    const int rc = pcre2_match(code_.get(), reinterpret_cast<PCRE2_SPTR>(module.data()), module.size(), 0, 0,
+                               data.get(), context.get());
+    if (rc == PCRE2_ERROR_NOMATCH) return false;
+    VLMGEN_CHECK(rc >= 0, "{} '{}' could not be matched against module {}: {} (a pattern that backtracks too much?)",
+                 what_, quote_excerpt(pattern_, 60), quote_excerpt(module, 60), pcre2_text(rc));
+    return true;
+  }
+
+ private:
+  static constexpr size_t kMaxPatternBytes = 4096;
+  static constexpr uint32_t kMatchLimit = 1000000;  // backtracking steps a name; real patterns take a few hundred
+  std::unique_ptr<pcre2_code, decltype(&pcre2_code_free)> code_{nullptr, pcre2_code_free};
+  std::string pattern_, what_;
+};
 
 const char* kSupported =
     "vlmgen loads FP8 weights in three formats: quant_method 'fp8' (HF fine-grained, per block), ModelOpt "
@@ -181,7 +217,7 @@ QuantizationScheme compressed_tensors(const Json& q, const std::string& where) {
   }
   s.excluded = string_list(q, "ignore", where);
   for (const std::string& p : s.excluded) {
-    if (p.rfind("re:", 0) == 0) python_match_regex(p.substr(3), where + ": ignore pattern");
+    if (p.rfind("re:", 0) == 0) ModulePattern(p.substr(3), where + ": ignore pattern");
   }
   return s;
 }
@@ -213,7 +249,7 @@ bool QuantizationScheme::is_excluded(const std::string& module) const {
         break;
       case QuantFormat::kCompressedTensors:
         if (p.rfind("re:", 0) == 0) {
-          if (std::regex_search(module, python_match_regex(p.substr(3), "compressed-tensors ignore pattern"))) {
+          if (ModulePattern(p.substr(3), "compressed-tensors ignore pattern").matches(module)) {
             return true;
           }
         } else if (module == p) {
@@ -261,8 +297,7 @@ std::optional<QuantizationScheme> QuantizationScheme::from_checkpoint(const std:
   const std::string config =
       read_regular_file((root / "config.json").string(), "config file", kMaxQuantConfigBytes * 16);
   std::string hf_quant;
-  std::error_code ec;
-  if (fs::exists(root / "hf_quant_config.json", ec)) {
+  if (file_exists((root / "hf_quant_config.json").string(), "hf_quant_config.json")) {
     hf_quant =
         read_regular_file((root / "hf_quant_config.json").string(), "hf_quant_config.json", kMaxQuantConfigBytes);
   }

@@ -109,7 +109,8 @@ QuantizeReport quantize_checkpoint(const std::string& in_dir, const std::string&
       read_regular_file((in / "config.json").string(), "config file", kMaxQuantConfigBytes * 16);
   Json config = detail::parse_json(config_text, "config.json");
   VLMGEN_CHECK(config.is_object(), "{}/config.json must be a JSON object", in_dir);
-  VLMGEN_CHECK(!config.contains("quantization_config") && !fs::exists(in / "hf_quant_config.json", ec),
+  VLMGEN_CHECK(!config.contains("quantization_config") &&
+                   !file_exists((in / "hf_quant_config.json").string(), "hf_quant_config.json"),
                "checkpoint {} is already quantized; quantize an F32/F16/BF16 checkpoint", in_dir);
   // A fresh folder only: stale shards, indexes or quantization files would mix with the new ones.
   VLMGEN_CHECK(!fs::exists(out, ec) || (fs::is_directory(out, ec) && fs::is_empty(out, ec)),
@@ -133,6 +134,12 @@ QuantizeReport quantize_checkpoint(const std::string& in_dir, const std::string&
     const std::string& name = names[i];
     const SafetensorsEntry& entry = checkpoint.entry(name);
     VLMGEN_CHECK(!entry.fp8, "tensor {} of checkpoint {} is already FP8", name, in_dir);
+    // A scale tensor in the input would be written over the scale computed for its weight.
+    for (const char* scale : {".weight_scale_inv", ".weight_scale", ".input_scale"})
+      VLMGEN_CHECK(!ends_with(name, scale),
+                   "tensor {} of checkpoint {} is named like an FP8 scale; expected an F32/F16/BF16 checkpoint without "
+                   "quantization tensors",
+                   name, in_dir);
     const std::string module = ends_with(name, ".weight") ? name.substr(0, name.size() - 7) : name;
     const bool quantize = ends_with(name, ".weight") && entry.shape.size() == 2 && entry.shape[0] > 0 &&
                           entry.shape[1] > 0 && at::isFloatingType(entry.dtype) &&

@@ -162,7 +162,7 @@ std::vector<ChatSegment> render_gemma3(const std::vector<ChatMessage>& messages,
 
 // A JSON file's "chat_template": a string, or a list of {"name", "template"} (the "default" one).
 std::optional<std::string> template_in_json(const std::string& path) {
-  if (!std::filesystem::exists(path)) return std::nullopt;
+  if (!file_exists(path, "chat template config")) return std::nullopt;
   const auto json = detail::parse_json(read_regular_file(path, "chat template config", kMaxConfigBytes), path);
   VLMGEN_CHECK(json.is_object(), "{}: expected a JSON object, got {}", path, detail::json_excerpt(json));
   const auto it = json.find("chat_template");
@@ -171,8 +171,8 @@ std::optional<std::string> template_in_json(const std::string& path) {
   VLMGEN_CHECK(it->is_array(), "{}: \"chat_template\" is {}; expected a string or a list of named templates", path,
                detail::json_excerpt(*it));
   for (const auto& entry : *it) {
-    if (entry.is_object() && entry.value("name", std::string()) == "default" && entry.contains("template") &&
-        entry["template"].is_string()) {
+    if (entry.is_object() && entry.contains("name") && entry["name"].is_string() &&
+        entry["name"].get<std::string>() == "default" && entry.contains("template") && entry["template"].is_string()) {
       return entry["template"].get<std::string>();
     }
   }
@@ -242,7 +242,8 @@ ChatTemplate ChatTemplate::from_source(const std::string& source, const std::str
 ChatTemplate ChatTemplate::from_pretrained(const std::string& dir) {
   namespace fs = std::filesystem;
   const std::string jinja = (fs::path(dir) / "chat_template.jinja").string();
-  if (fs::exists(jinja)) return from_source(read_regular_file(jinja, "chat template", kMaxTemplateBytes), jinja);
+  if (file_exists(jinja, "chat template"))
+    return from_source(read_regular_file(jinja, "chat template", kMaxTemplateBytes), jinja);
   for (const char* name : {"chat_template.json", "tokenizer_config.json"}) {
     const std::string path = (fs::path(dir) / name).string();
     if (auto source = template_in_json(path)) return from_source(*source, path);

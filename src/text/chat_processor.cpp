@@ -237,7 +237,7 @@ std::vector<int64_t> end_token_ids_from_pretrained(const std::string& dir, const
   std::vector<int64_t> ids;
   for (const char* name : {"generation_config.json", "config.json"}) {
     const std::string path = (fs::path(dir) / name).string();
-    if (!fs::exists(path)) continue;
+    if (!file_exists(path, "config")) continue;
     const auto json = detail::parse_json(read_regular_file(path, "config", 64 << 20), path);
     if (!json.is_object() || !json.contains("eos_token_id") || json["eos_token_id"].is_null()) continue;
     const auto& value = json["eos_token_id"];

@@ -170,13 +170,13 @@ Tokenizer Tokenizer::from_file(const std::string& tokenizer_json_path) {
 Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
   namespace fs = std::filesystem;
   const fs::path json = fs::path(dir) / "tokenizer.json";
-  VLMGEN_CHECK(fs::exists(json),
+  VLMGEN_CHECK(file_exists(json.string(), "tokenizer file"),
                "{} has no tokenizer.json: expected the tokenizer of the checkpoint there "
                "(HF folders ship it beside config.json)",
                dir);
   Tokenizer tokenizer = from_file(json.string());
   const fs::path config = fs::path(dir) / "tokenizer_config.json";
-  if (fs::exists(config)) {
+  if (file_exists(config.string(), "tokenizer config")) {
     load_tokenizer_config(*tokenizer.impl_, read_regular_file(config.string(), "tokenizer config", 64 << 20),
                           config.string());
   }

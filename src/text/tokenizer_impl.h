@@ -65,6 +65,7 @@ struct Tokenizer::Impl {
   bool byte_level = true;
 
   std::vector<std::string> id_bytes;               // [vocab_size]: the raw bytes each id stands for
+  int64_t id_limit = 0;                            // while loading: ids must be below this (the entries plus kIdSlack)
   std::vector<Kind> kinds;                         // [vocab_size]
   std::unordered_map<std::string, int32_t> vocab;  // raw bytes → id, the BPE vocabulary
   std::array<int32_t, 256> byte_ids{};             // the token of each single byte

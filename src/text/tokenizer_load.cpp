@@ -20,6 +20,9 @@ using nlohmann::json;
 
 // Ids above this are refused: a vocabulary that large is a corrupt file, not a tokenizer.
 constexpr int64_t kMaxTokenId = int64_t{1} << 24;
+/// How far ids may run past the number of vocabulary and added entries (gaps in the numbering):
+/// ids index a table, and a 4 KB file naming id 16777215 made 530 MB of it.
+constexpr int64_t kIdSlack = 65536;
 
 // tokenizer.json is mostly model.vocab (150k entries) and model.merges (150k pairs): building a
 // JSON tree of them costs most of the loading time in allocations. This reader streams those two
@@ -171,7 +174,12 @@ int32_t checked_id(const json& value, const std::string& what, const std::string
   return static_cast<int32_t>(id);
 }
 
-void set_token(Tokenizer::Impl& impl, int32_t id, std::string bytes, Tokenizer::Impl::Kind kind) {
+void set_token(Tokenizer::Impl& impl, int32_t id, std::string bytes, Tokenizer::Impl::Kind kind,
+               const std::string& what) {
+  VLMGEN_CHECK(id < impl.id_limit,
+               "{}: id {} is far past the {} vocabulary and added entries; expected ids below {} (entries plus {} "
+               "for gaps)",
+               what, id, impl.id_limit - kIdSlack, impl.id_limit, kIdSlack);
   const auto index = static_cast<size_t>(id);
   if (index >= impl.id_bytes.size()) {
     impl.id_bytes.resize(index + 1);
@@ -204,7 +212,7 @@ void load_vocab(Tokenizer::Impl& impl, const TokenizerJsonReader& reader, const 
                  "{}: id {} is given to two vocabulary tokens", what, id);
     VLMGEN_CHECK(impl.vocab.emplace(bytes, id).second, "{}: token {} is in the vocabulary twice", what,
                  quote_excerpt(token));
-    set_token(impl, id, impl.byte_level ? bytes : decoder.bytes_of(token), Tokenizer::Impl::Kind::kVocab);
+    set_token(impl, id, impl.byte_level ? bytes : decoder.bytes_of(token), Tokenizer::Impl::Kind::kVocab, what);
   }
   // The token of each byte: the byte itself (byte-level) or its "<0xXX>" fallback token.
   for (int b = 0; b < 256; ++b) {
@@ -270,7 +278,7 @@ void load_added_tokens(Tokenizer::Impl& impl, const json& list, const detail::To
     }
     // Decoding runs added tokens through the decoder too, as HF does.
     set_token(impl, static_cast<int32_t>(token.id), decoder.bytes_of(token.content),
-              token.special ? Tokenizer::Impl::Kind::kSpecial : Tokenizer::Impl::Kind::kAdded);
+              token.special ? Tokenizer::Impl::Kind::kSpecial : Tokenizer::Impl::Kind::kAdded, what);
     for (int parse_special = 0; parse_special < 2; ++parse_special) {
       if (token.special && !parse_special) continue;
       // A normalized token is looked for in the normalized text, as its normalized content.
@@ -293,9 +301,7 @@ std::optional<std::string> token_name(const json& config, const char* key, const
   return (*it)["content"].get<std::string>();
 }
 
-}  // namespace
-
-std::unique_ptr<Tokenizer::Impl> load_tokenizer_json(std::string_view text, const std::string& what) {
+std::unique_ptr<Tokenizer::Impl> read_tokenizer_json(std::string_view text, const std::string& what) {
   check_json_limits(text, JsonLimits().max_bytes(int64_t{256} << 20), what);
   TokenizerJsonReader reader(what);
   json::sax_parse(text.begin(), text.end(), &reader);
@@ -303,6 +309,8 @@ std::unique_ptr<Tokenizer::Impl> load_tokenizer_json(std::string_view text, cons
   VLMGEN_CHECK(root.is_object() && root.contains("model"),
                "{}: expected a tokenizer.json object with a \"model\", got {}", what, json_excerpt(root));
   auto impl = std::make_unique<Tokenizer::Impl>();
+  const json& added = root.value("added_tokens", json());
+  impl->id_limit = static_cast<int64_t>(reader.vocab.size() + (added.is_array() ? added.size() : 0)) + kIdSlack;
   detail::load_normalizer(*impl, root.value("normalizer", json()), what);
   bool byte_level = false;
   detail::load_pre_tokenizer(*impl, root.value("pre_tokenizer", json()), what, &byte_level);
@@ -316,11 +324,11 @@ std::unique_ptr<Tokenizer::Impl> load_tokenizer_json(std::string_view text, cons
                "TemplateProcessing or null",
                what, type_of(post));
   load_bpe(*impl, root["model"], reader, decoder, what);
-  load_added_tokens(*impl, root.value("added_tokens", json()), decoder, what);
+  load_added_tokens(*impl, added, decoder, what);
   return impl;
 }
 
-void load_tokenizer_config(Tokenizer::Impl& impl, std::string_view text, const std::string& what) {
+void read_tokenizer_config(Tokenizer::Impl& impl, std::string_view text, const std::string& what) {
   const json config = detail::parse_json(text, what, JsonLimits().max_bytes(64 << 20));
   VLMGEN_CHECK(config.is_object(), "{}: expected a JSON object, got {}", what, json_excerpt(config));
   VLMGEN_CHECK(!flag(config, "clean_up_tokenization_spaces", false),
@@ -328,6 +336,26 @@ void load_tokenizer_config(Tokenizer::Impl& impl, std::string_view text, const s
   impl.eos_token = token_name(config, "eos_token", what);
   impl.pad_token = token_name(config, "pad_token", what);
   impl.bos_token = token_name(config, "bos_token", what);
+}
+
+}  // namespace
+
+/// A JSON value of the wrong type where the readers above do not check one (nlohmann's
+/// type_error) is a vlmgen::Error naming the file, not an exception of another kind.
+std::unique_ptr<Tokenizer::Impl> load_tokenizer_json(std::string_view text, const std::string& what) {
+  try {
+    return read_tokenizer_json(text, what);
+  } catch (const nlohmann::json::exception& e) {
+    VLMGEN_FAIL("{}: a value of the wrong type: {}", what, quote_excerpt(e.what(), 160));
+  }
+}
+
+void load_tokenizer_config(Tokenizer::Impl& impl, std::string_view text, const std::string& what) {
+  try {
+    read_tokenizer_config(impl, text, what);
+  } catch (const nlohmann::json::exception& e) {
+    VLMGEN_FAIL("{}: a value of the wrong type: {}", what, quote_excerpt(e.what(), 160));
+  }
 }
 
 }  // namespace vlmgen

@@ -133,7 +133,11 @@ void load_pre_tokenizer(Tokenizer::Impl& impl, const json& node, const std::stri
   if (type == "Split") {
     VLMGEN_CHECK(!flag(node, "invert", false), "{}: an inverted Split pre-tokenizer is not supported", what);
     const json& pattern = node.value("pattern", json());
-    const std::string behavior = node.value("behavior", std::string());
+    const json& behavior_node = node.value("behavior", json());
+    VLMGEN_CHECK(behavior_node.is_null() || behavior_node.is_string(),
+                 "{}: Split pre-tokenizer behavior is {}; expected a name such as \"Isolated\"", what,
+                 json_excerpt(behavior_node));
+    const std::string behavior = behavior_node.is_string() ? behavior_node.get<std::string>() : std::string();
     SplitStep step;
     if (pattern.is_object() && pattern.contains("Regex") && pattern["Regex"].is_string()) {
       VLMGEN_CHECK(behavior == "Isolated",

@@ -92,6 +92,11 @@ TEST(LlavaNextConfigTest, ReadsTheReleasedConfigAndRefusesWhatItDoesNotCompute) 
   refused(R"({"model_type": "llava_next", "text_config": {"rope_scaling": {"type": "linear", "factor": 2}}})",
           "rope_scaling");
   refused(R"({"model_type": "llava_next", "vision_feature_layer": [-2, -5]})", "one integer");
+  // Was read as -2 (the default) through a wrap-around; and an eps that made NaN logits later.
+  refused(R"({"model_type": "llava_next", "vision_feature_layer": 18446744073709551614})", "beyond the int64 range");
+  refused(R"({"model_type": "llava_next", "vision_feature_layer": -9223372036854775807})", "outside the");
+  refused(R"({"model_type": "llava_next", "vision_config": {"layer_norm_eps": -1}})",
+          "layer_norm_eps must be a positive number");
   refused(R"({"model_type": "llava_next", "text_config": {"mlp_bias": true}})", "mlp_bias");
   refused(R"({"model_type": "llava_next", "text_config": {"hidden_act": "gelu"}})", "hidden_act");
   refused(R"({"model_type": "llava_next", "vision_config": {"model_type": "siglip_vision_model"}})",

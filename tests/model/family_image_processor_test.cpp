@@ -45,7 +45,13 @@ TEST(Gemma3ImageProcessor, ResizesRescalesAndNormalizesEachImageToOneSquare) {
   for (const auto& [json, needle] :
        {std::pair<std::string, std::string>{R"({"do_pan_and_scan": true})", "pan-and-scan"},
         {R"({"resample": 3})", "expected 2 (bilinear)"},
-        {R"({"size": {"height": 896, "width": 448}})", "not square"}}) {
+        {R"({"size": {"height": 896, "width": 448}})", "not square"},
+        // Read strictly (these were 16, an undefined cast, 3 entries, a pass as double):
+        {R"({"size": {"height": 16.9, "width": 16.2}})", "size.height is 16.9; expected an integer"},
+        {R"({"size": {"height": 1e300, "width": 1e300}})", "size.height is 1e+300"},
+        {R"({"image_std": [0.5, 0.5, 0.5, 0.5]})", "expected a list of 3 numbers"},
+        {R"({"rescale_factor": 1e300})", "rescale factor 1e+300"},
+        {R"({"rescale_factor": "x"})", "rescale_factor is \"x\"; expected a finite number"}}) {
     try {
       parse_gemma3_preprocessor_config(json, "test");
       ADD_FAILURE() << json;

@@ -315,6 +315,17 @@ TEST(Fp8Schemes, ExclusionsFollowEachFormatsOwnMatchingRule) {
   EXPECT_FALSE(s.is_excluded("model.lm_head"));
   EXPECT_TRUE(s.is_excluded("model.layers.1.mlp.up_proj"));     // anchored at the start, case folded
   EXPECT_FALSE(s.is_excluded("x.model.layers.1.mlp.up_proj"));  // re.match does not search
+  // The pattern that kept std::regex busy for minutes on one name: no match, at once.
+  s.excluded = {"re:(.|.)*#"};
+  EXPECT_FALSE(s.is_excluded("model.layers.10.self_attn.q_proj"));
+  // One that backtracks without end in any engine is an error naming it.
+  s.excluded = {"re:(\\w+\\w+)+(#|%)"};
+  try {
+    s.is_excluded("model_layers_10_self_attn_q_proj_weight_more");
+    ADD_FAILURE() << "matched a runaway pattern";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("could not be matched against module"));
+  }
 }
 
 // The dequantization rule on blocks computed by hand: w = decoded byte x its scale.
@@ -680,6 +691,18 @@ TEST_P(Fp8CheckpointTest, QuantizerScalesAreAmaxOver448AndErrorsStayWithinHalfAS
   // Refused without writing: an FP8 input, and an output folder that already holds files.
   EXPECT_THROW(quantize_checkpoint(dir("modelopt"), dir("again")), Error);
   EXPECT_FALSE(std::filesystem::exists(dir("again")));
+  // An f32 checkpoint holding a tensor named like a scale: it would be written over the computed
+  // scale of its weight (the output sorted it after up_proj.weight).
+  std::map<std::string, at::Tensor> stray = original;
+  stray[up + ".weight_scale_inv"] = at::ones({1, 1});
+  write_checkpoint_dir(dir("stray"), config_.to_json(), stray);
+  try {
+    quantize_checkpoint(dir("stray"), dir("stray-fp8"));
+    ADD_FAILURE() << "quantized a checkpoint holding a scale tensor";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr(up + ".weight_scale_inv"));
+    EXPECT_THAT(e.what(), HasSubstr("named like an FP8 scale"));
+  }
   try {
     quantize_checkpoint(dir("f32"), dir("hf"), options);
     ADD_FAILURE() << "overwrote a checkpoint folder";

@@ -124,8 +124,20 @@ TEST(PreprocessorConfig, WhatItCannotHonourIsRefusedByName) {
   expect_refused(R"({"do_resize": false})", "do_resize is false");
   expect_refused(R"({"image_processor_type": "SiglipImageProcessor"})", "SiglipImageProcessor");
   expect_refused(R"({"min_pixels": 5000, "max_pixels": 100})", "test config");
-  expect_refused(R"({"image_mean": [0.5, 0.5]})", "not a valid preprocessor config");
-  expect_refused(R"({"patch_size": "fourteen"})", "not a valid preprocessor config");
+  expect_refused(R"({"image_mean": [0.5, 0.5]})", "image_mean is [0.5,0.5]; expected a list of 3 numbers");
+  expect_refused(R"({"patch_size": "fourteen"})", "patch_size is \"fourteen\"; expected an integer");
+  // Nothing converted without a word: these were read as 3 entries, 4, 3, an undefined cast, -1.
+  expect_refused(R"({"image_std": [0.2, 0.2, 0.2, 0.2]})", "image_std is [0.2,0.2,0.2,0.2]");
+  expect_refused(R"({"patch_size": 4.9})", "patch_size is 4.9; expected an integer");
+  expect_refused(R"({"resample": 3.7})", "resample is 3.7; expected an integer");
+  expect_refused(R"({"min_pixels": 1e300})", "min_pixels is 1e+300; expected an integer");
+  expect_refused(R"({"max_pixels": 18446744073709551615})", "within the int64 range");
+  expect_refused(R"({"size": 5})", "size is 5; expected");
+  // Values that pass as doubles but not as the float32 the pixels are computed in.
+  expect_refused(R"({"image_std": [1e-50, 0.2, 0.2]})", "image_std[0] 1e-50");
+  expect_refused(R"({"image_mean": [1e300, 0.5, 0.5]})", "image_mean[0] 1e+300");
+  expect_refused(R"({"rescale_factor": 1e300})", "rescale factor 1e+300 is not a finite float32");
+  expect_refused(R"({"image_std": [1e-40, 0.2, 0.2]})", "channel 0 normalizes pixels");
   expect_refused("[1, 2]", "expected a JSON object");
   expect_refused(std::string(5000, '[') + std::string(5000, ']'), "test config");
 }

@@ -139,6 +139,14 @@ TEST(ChatTemplate, FindsAFoldersTemplateWhereHfWritesIt) {
   EXPECT_EQ(vlmgen::ChatTemplate::from_pretrained(dir.string()).name(), "qwen2-vl");
   std::ofstream(dir / "chat_template.json") << json{{"chat_template", "{{ other }}"}}.dump();  // takes precedence
   EXPECT_THROW(vlmgen::ChatTemplate::from_pretrained(dir.string()), vlmgen::Error);
+  // A template list whose name is not a string (was an uncaught nlohmann::type_error: abort).
+  std::ofstream(dir / "chat_template.json") << R"({"chat_template": [{"name": 5, "template": "x"}]})";
+  try {
+    vlmgen::ChatTemplate::from_pretrained(dir.string());
+    ADD_FAILURE() << "took a template without a name";
+  } catch (const vlmgen::Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("none is named \"default\""));
+  }
   fs::remove_all(dir);
 }
 

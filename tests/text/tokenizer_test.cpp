@@ -172,6 +172,14 @@ TEST(TokenizerRefuses, WhatItDoesNotImplementNamingIt) {
   j = tiny_tokenizer({});
   j["model"]["vocab"].erase(byte_char('z'));
   EXPECT_THAT(load_error(j), HasSubstr("no token for byte 0x7A"));
+  // A value of the wrong type where a name belongs (was an uncaught nlohmann::type_error: abort).
+  j = tiny_tokenizer({});
+  j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = 5;
+  EXPECT_THAT(load_error(j), HasSubstr("behavior is 5"));
+  // One id far past the entries (was a table of 16M strings, 530 MB, from a 4 KB file).
+  j = tiny_tokenizer({});
+  j["added_tokens"][0]["id"] = 16777215;
+  EXPECT_THAT(load_error(j), HasSubstr("id 16777215 is far past"));
 }
 
 TEST(TokenizerRefuses, MissingAndCorruptFilesNamingThem) {
@@ -194,6 +202,17 @@ TEST(TokenizerRefuses, MissingAndCorruptFilesNamingThem) {
     EXPECT_THAT(e.what(), HasSubstr((dir / "tokenizer.json").string()));
     EXPECT_THAT(e.what(), HasSubstr("not valid JSON"));
   }
+  // A link that points at itself: an Error naming the file (was an uncaught filesystem_error).
+  fs::remove(dir / "tokenizer.json");
+  fs::create_symlink(dir / "tokenizer.json", dir / "tokenizer.json");
+  try {
+    vlmgen::Tokenizer::from_pretrained(dir.string());
+    ADD_FAILURE() << "loaded a tokenizer.json that links to itself";
+  } catch (const vlmgen::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("cannot tell whether it exists"));
+    EXPECT_THAT(e.what(), HasSubstr((dir / "tokenizer.json").string()));
+  }
+  fs::remove(dir / "tokenizer.json");
   std::ofstream(dir / "tokenizer.json") << text;
   std::ofstream(dir / "tokenizer_config.json") << R"({"eos_token": {"content": "<|x|>"}, "pad_token": "<y>"})";
   const auto tok = vlmgen::Tokenizer::from_pretrained(dir.string());

@@ -32,6 +32,12 @@ class RegularFile {
   int64_t size_ = 0;
 };
 
+/// Whether `path` names something (a file of any type, or a link to one). False only where it does
+/// not exist (no such entry, or a parent that is not a folder); a path that cannot be checked (a
+/// link that loops, a folder without search permission) is a vlmgen::Error naming `what`, `path`
+/// and the reason, not "absent" and not a std::filesystem exception.
+bool file_exists(const std::string& path, const std::string& what);
+
 /// The whole content of the regular file `path`. Throws vlmgen::Error naming `what`, `path` and
 /// the numbers when the file is not regular, is larger than `max_bytes`, or cannot be read.
 std::string read_regular_file(const std::string& path, const std::string& what, int64_t max_bytes);
