@@ -119,7 +119,7 @@ vlmgen::VisionInputs preprocess_for(vlmgen::CausalVlm& model, const std::string&
                "--max-pixels/--min-pixels apply to the Qwen-VL families only (this model resizes to its own tiles)");
   if (llava != nullptr) {
     if (images.empty()) return {};
-    return vlmgen::preprocess_llava_next(images, vlmgen::LlavaNextImageProcessorOptions::for_model(llava->config()));
+    return vlmgen::preprocess_llava_next(images, vlmgen::llava_next_image_processor(checkpoint, llava->config()));
   }
   if (gemma != nullptr) {
     const auto options = vlmgen::gemma3_image_processor(checkpoint, gemma->config().image_size);

@@ -20,8 +20,15 @@
 
 namespace vlmgen::detail {
 
-/// An integer field (`what`: the file, `key`: the field) within the int64 range.
+/// An integer field (`what`: the file, `key`: the field) within the int64 range; a float with no
+/// fraction (14.0, as a hand-edited file may hold it, and Python reads it) counts as one.
 inline int64_t config_int(const nlohmann::json& v, const std::string& what, const std::string& key) {
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    VLMGEN_CHECK(std::isfinite(d) && d == std::floor(d) && std::abs(d) < 9.2e18,
+                 "{}: {} is {}; expected an integer within the int64 range", what, key, json_excerpt(v));
+    return static_cast<int64_t>(d);
+  }
   VLMGEN_CHECK(v.is_number_integer() &&
                    (!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()}),
                "{}: {} is {}; expected an integer within the int64 range", what, key, json_excerpt(v));

@@ -451,6 +451,7 @@ void linear_pass(const RowsLinear& a, const TileOutputs& t, int64_t r, int64_t r
 template <class Vec, WeightType T, int OT>
 void linear_outputs(const RowsLinear& a, const TileOutputs& t) {
   constexpr int RT = row_tile<Vec, T>;
+  static_assert(RT >= 1 && RT <= 6, "row tiles of 1 to 6 rows (OT x RT accumulators and RT inputs in registers)");
   const int64_t passes = (a.rows + RT - 1) / RT;
   int64_t r = 0;
   for (int64_t pass = 0; pass < passes; ++pass) {

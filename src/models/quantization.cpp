@@ -56,8 +56,6 @@ std::array<int64_t, 2> block_of(const Json& value, const std::string& where, con
   return block;
 }
 
-// compressed-tensors' "re:" patterns are Python regular expressions applied with re.match: anchored
-// at the start only. A leading (?i) (case-insensitive) is honoured; ECMAScript has no inline flags.
 /// PCRE2's message for an error code.
 std::string pcre2_text(int code) {
   PCRE2_UCHAR buffer[256];
@@ -65,15 +63,20 @@ std::string pcre2_text(int code) {
                                                                   : reinterpret_cast<const char*>(buffer);
 }
 
-/// A compressed-tensors "re:" pattern as Python's re.match reads it: anchored at the module name's
-/// start, "(?i)" and the like inline. PCRE2 with a match limit: a pattern that backtracks without
-/// end (such as "(.|.)*#", which kept std::regex busy for minutes on one name) is a vlmgen::Error
-/// naming it, not a hang.
+/// A compressed-tensors "re:" pattern (a Python regular expression applied with re.match) as
+/// Python reads it: anchored at the module name's start only, "(?i)" and the like inline. "{,n}"
+/// (0 to n times in Python, a literal in this PCRE2) is refused rather than read otherwise. PCRE2 with a match limit: a
+/// pattern that backtracks without end (such as "(.|.)*#", which kept std::regex busy for minutes on one name) is a
+/// vlmgen::Error naming it, not a hang.
 class ModulePattern {
  public:
   ModulePattern(const std::string& pattern, const std::string& what) : pattern_(pattern), what_(what) {
     VLMGEN_CHECK(pattern.size() <= kMaxPatternBytes, "{} is {} bytes long; expected at most {}", what, pattern.size(),
                  kMaxPatternBytes);
+    VLMGEN_CHECK(pattern.find("{,") == std::string::npos,
+                 "{} '{}' uses {{,n}}, which this regex engine reads as text where Python reads 0 to n times; "
+                 "write {{0,n}}",
+                 what, quote_excerpt(pattern, 60));
     int error = 0;
     PCRE2_SIZE offset = 0;
     code_.reset(pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_ANCHORED | PCRE2_UTF,

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,6 +16,7 @@
 #include "vlmgen/error.h"
 #include "vlmgen/image/gemma3_image_processor.h"
 #include "vlmgen/image/llava_next_image_processor.h"
+#include "vlmgen/image/preprocessor_config.h"
 #include "vlmgen/image/qwen_image_processor.h"
 #include "vlmgen/models/llava_next.h"
 
@@ -94,6 +97,48 @@ TEST(LlavaNextImageProcessor, TilesMatchPillowAndThePaddingOfTransformers) {
   // The 4-tile image is padded with a zero tile.
   EXPECT_EQ(v.pixel_values[0][4].abs().max().item<double>(), 0.0);
   EXPECT_THROW(preprocess_llava_next({}, options), Error);
+}
+
+// A folder's preprocessor_config.json as llava-v1.6 ships it gives the released settings; a
+// fine-tune's own statistics are taken; what vlmgen would not do as the file says is refused by name.
+TEST(LlavaNextImageProcessor, ReadsTheFoldersPreprocessorConfigAndRefusesWhatItCannotHonour) {
+  namespace fs = std::filesystem;
+  const LlavaNextConfig config = LlavaNextConfig::tiny();
+  const fs::path dir = fs::path(::testing::TempDir()) / "vlmgen_llava_preprocessor";
+  fs::create_directories(dir);
+  fs::remove(dir / kPreprocessorConfigFile);
+  const LlavaNextImageProcessorOptions released = LlavaNextImageProcessorOptions::for_model(config);
+  EXPECT_EQ(llava_next_image_processor(dir.string(), config).image_mean, released.image_mean);  // no file
+  const auto with = [&](const std::string& fields) {
+    std::ofstream(dir / kPreprocessorConfigFile)
+        << R"({"image_processor_type": "LlavaNextImageProcessor", "resample": 3, "do_pad": true,
+        "crop_size": {"height": )"
+        << config.image_size << R"(, "width": )" << config.image_size << R"(}, "size": {"shortest_edge": )"
+        << config.image_size << "}" << fields << "}";
+    return llava_next_image_processor(dir.string(), config);
+  };
+  const LlavaNextImageProcessorOptions own = with(R"(, "image_mean": [0.5, 0.25, 0.125], "rescale_factor": 0.5)");
+  EXPECT_EQ(own.image_mean, (std::array<double, 3>{0.5, 0.25, 0.125}));
+  EXPECT_EQ(own.rescale_factor, 0.5);
+  EXPECT_EQ(own.image_std, released.image_std);
+  EXPECT_EQ(own.tile_size, config.image_size);
+  for (const auto& [fields, needle] : std::vector<std::pair<std::string, std::string>>{
+           {R"(, "resample": 2)", "resample 2 is not supported"},
+           {R"(, "crop_size": 224)", "crop_size 224 differs"},
+           {R"(, "do_pad": false)", "do_pad is false"},
+           {R"(, "image_grid_pinpoints": [[1, 2]])", "image_grid_pinpoints [[1,2]] differ"},
+           {R"(, "image_std": [0.2, 0.2, 0.2, 0.2])", "expected a list of 3 numbers"},
+           {R"(, "image_std": [1e-40, 0.2, 0.2])", "normalizes pixels"},
+           {R"(, "image_processor_type": "CLIPImageProcessor")", "CLIPImageProcessor is not supported"}}) {
+    try {
+      with(fields);
+      ADD_FAILURE() << fields;
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr(needle)) << fields;
+      EXPECT_THAT(e.what(), ::testing::HasSubstr(kPreprocessorConfigFile));
+    }
+  }
+  fs::remove_all(dir);
 }
 
 }  // namespace

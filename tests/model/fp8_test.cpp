@@ -318,6 +318,9 @@ TEST(Fp8Schemes, ExclusionsFollowEachFormatsOwnMatchingRule) {
   // The pattern that kept std::regex busy for minutes on one name: no match, at once.
   s.excluded = {"re:(.|.)*#"};
   EXPECT_FALSE(s.is_excluded("model.layers.10.self_attn.q_proj"));
+  // Python's {,n} (0 to n times) is not read as text here.
+  s.excluded = {"re:model{,3}"};
+  EXPECT_THROW(s.is_excluded("model"), Error);
   // One that backtracks without end in any engine is an error naming it.
   s.excluded = {"re:(\\w+\\w+)+(#|%)"};
   try {

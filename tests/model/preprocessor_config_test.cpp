@@ -129,6 +129,7 @@ TEST(PreprocessorConfig, WhatItCannotHonourIsRefusedByName) {
   // Nothing converted without a word: these were read as 3 entries, 4, 3, an undefined cast, -1.
   expect_refused(R"({"image_std": [0.2, 0.2, 0.2, 0.2]})", "image_std is [0.2,0.2,0.2,0.2]");
   expect_refused(R"({"patch_size": 4.9})", "patch_size is 4.9; expected an integer");
+  EXPECT_EQ(parse_preprocessor_config(R"({"patch_size": 14.0})", "whole float").patch_size(), 14);
   expect_refused(R"({"resample": 3.7})", "resample is 3.7; expected an integer");
   expect_refused(R"({"min_pixels": 1e300})", "min_pixels is 1e+300; expected an integer");
   expect_refused(R"({"max_pixels": 18446744073709551615})", "within the int64 range");

@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "vlmgen/image/image.h"
@@ -29,6 +30,14 @@ struct LlavaNextImageProcessorOptions {
   /// The released processors' settings for this model (its image_size and pinpoints).
   static LlavaNextImageProcessorOptions for_model(const LlavaNextConfig& config);
 };
+
+/// for_model(config) with the image_mean, image_std and rescale_factor of the checkpoint folder's
+/// preprocessor_config.json when it has one (a fine-tune's own statistics). A vlmgen::Error naming
+/// the file for what vlmgen would not do as it says: another processor type, a filter other than
+/// bicubic (3), a size or crop_size other than the model's image_size, pinpoints other than the
+/// model's, do_resize / do_rescale / do_normalize / do_pad false, a normalization that is not
+/// finite in float32.
+LlavaNextImageProcessorOptions llava_next_image_processor(const std::string& dir, const LlavaNextConfig& config);
 
 /// pixel_values [N, tiles, 3, tile_size, tile_size] (images with fewer tiles than the most are
 /// padded with zero tiles, as transformers batches them) and image_sizes [N, 2] (original height
