@@ -37,6 +37,8 @@ struct Avx512 {
                                              ? 16  // kMaxFastRows: every row count of the decode kernels
                                              : (T == WeightType::kBF16 || T == WeightType::kF16 ? 2 : 1);
   static V zero() { return _mm512_setzero_ps(); }
+  // Keeps v in a register where the compiler would fold its load into each use (see tile_loop).
+  static void in_register(V& v) { __asm__("" : "+v"(v)); }
   static V set1(float f) { return _mm512_set1_ps(f); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V load_bf16(const uint16_t* p) {
