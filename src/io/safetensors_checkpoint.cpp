@@ -1,7 +1,5 @@
 // Checkpoints made of one model.safetensors or of shards listed in model.safetensors.index.json.
 
-#include <sys/stat.h>
-
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>

@@ -199,10 +199,8 @@ void widen_key_block(const T* keys, int64_t stride, int64_t dim, float* wide) {
 /// another in one call over the block's rows, each head's sums started by its first products (the
 /// same bits as from zeros): with one call per head, its sums zeroed through memory first, the
 /// calls spent more on that and on finding the rows than on the products (dim 64: 4 steps of 16).
-/// The fused decode step's attention over 12 layers of the bench's model (4 KV heads of 3 query
-/// heads, dim 64), one thread, caches cold, one process alternating the builds, medians of 21:
-/// 16 rows of 130 keys 2.99 -> 2.86 ms, 1 row of 2048 keys 4.00 -> 3.69, 1 row of 128 keys 0.198
-/// -> 0.193; with the caches warm (no flush between rounds) 1 row of 128 keys 0.100 -> 0.083.
+/// The decode step's attention, 12 layers of the bench's model, caches cold, medians of 21: 16
+/// rows of 130 keys 2.99 -> 2.86 ms, 1 row of 2048 keys 4.00 -> 3.69 (warm, 128 keys: 0.100 -> 0.083).
 template <class Vec, class R>
 void score_block(const HeadGroupAttention& a, int64_t s, int64_t j, const KeyBlock<R>& block, bool all_real) {
   using V = typename Vec::V;

@@ -27,7 +27,7 @@ struct Avx2 {
   static constexpr bool kWholeLines = false;
   static constexpr bool kLaneSums = false;  // no lane_sums(): decode attention sums key by key
   static V zero() { return _mm256_setzero_ps(); }
-  static void in_register(V& v) { __asm__("" : "+x"(v)); }  // see Avx512
+  static void in_register(V& v) { __asm__("" : "+x"(v)); }  // see isa_avx512.cpp
   static V set1(float f) { return _mm256_set1_ps(f); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V load_bf16(const uint16_t* p) {

@@ -24,7 +24,7 @@ struct Portable {
   static constexpr bool kWholeLines = false;
   static constexpr bool kLaneSums = false;  // no lane_sums(): decode attention sums key by key
   static V zero() { return V{}; }
-  static void in_register(V&) {}  // see Avx512
+  static void in_register(V&) {}  // see isa_avx512.cpp
   static V set1(float f) {
     V v;
     for (float& x : v.lane) x = f;

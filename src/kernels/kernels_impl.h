@@ -3,7 +3,8 @@
 // The matrix-product tiles once (rows_impl.h: the drivers over them; attention_impl.h: the rest),
 // over a vector type `Vec` that
 // each instruction-set file defines:
-//   V, kLanes, kOutTile, kRowTile, kF32RowTile, zero(), set1(f), load(const float*), load_bf16(const uint16_t*),
+//   V, kLanes, kOutTile, kRowTile, kF32RowTile, zero(), in_register(v) (keeps v in a register: an
+//   empty asm, or nothing), set1(f), load(const float*), load_bf16(const uint16_t*),
 //   load_f16(const uint16_t*), fma(a, b, acc) (a * b + acc), sum(v), store(float*, v),
 //   exp(v) (e^v for v <= 0, relative error below 2e-7; inputs below -87 give about 1e-38),
 //   neg_abs(v) (-|v|), div(a, b), max(a, b) (maxps: b where either is NaN), select_negative(c, a, b)
@@ -296,11 +297,12 @@ void tile_loop(const RowsLinear& a, const TileOutputs& t, int64_t r, int64_t beg
   [[maybe_unused]] V input_scale = Vec::zero();  // kToInput: the tile's scale in the current block
   [[maybe_unused]] int64_t next_block = 0;       // FP8: where the next column block of scales starts
   TilePrefetch prefetch = prefetch_state;
-  // The rows' starts, so that a step adds i to each: computed from t.at(oo) * in in the loop they
-  // took stack loads every step (registers ran out). With each weight vector kept in a register
-  // for the RT rows (the compiler otherwise loaded it once per row at 2 rows), the bench's 85
-  // float32 products, one process alternating the builds, medians of 15: 1 row 11.8 -> 10.9 ms,
-  // 3 rows 15.1 -> 14.3, 6 rows 17.1 -> 16.0, 16 rows 31.4 -> 30.7; 2 rows 12.4 -> 12.5; the same bits.
+  // The rows' starts, so that a step adds i to each: computed in the loop from t.at(oo) * in, they
+  // took a stack load every step (registers ran out). With only that, the compiler loaded each
+  // weight vector once per row at 2 rows (12.7 -> 13.3 ms below), so it is kept in a register
+  // for the RT rows (Vec::in_register). The bench's 85 float32 products, one process alternating
+  // the builds, medians of 15: 1 row 11.8 -> 10.9 ms, 3 rows 15.1 -> 14.3, 6 rows 17.1 -> 16.0,
+  // 16 rows 31.4 -> 30.7, 2 rows 12.4 -> 12.5; the same bits.
   const WeightElement<T>* w_rows[OT];
   for (int oo = 0; oo < OT; ++oo) w_rows[oo] = static_cast<const WeightElement<T>*>(a.w) + t.at(oo) * in;
   const float* x_rows[RT];

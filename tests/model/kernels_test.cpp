@@ -489,7 +489,7 @@ TEST(CpuKernels, DecodeAttentionWithEveryKeyBlockedAveragesAllValues) {
 // row with every key blocked.
 TEST(CpuKernels, DecodeAttentionOverABfloat16CacheIsTheFloat32PathOnTheSameValues) {
   at::manual_seed(8);
-  for (int64_t d : {24, 40, 64, 128}) {
+  for (int64_t d : {16, 24, 40, 64, 128}) {  // 16: one step of the key blocks
     const int64_t keys = 70, capacity = 80, s = 2;
     const at::Tensor k_cache = (at::randn({2, 2, capacity, d}) * 2).to(at::kBFloat16);
     const at::Tensor v_cache = at::randn({2, 2, capacity, d}).to(at::kBFloat16);
@@ -529,7 +529,7 @@ TEST(CpuKernels, DecodeAttentionOverABfloat16CacheIsTheFloat32PathOnTheSameValue
 // view and a row with every key blocked.
 TEST(CpuKernels, DecodeAttentionOverAnFp8CacheMatchesFloat64OnItsDecodedValues) {
   at::manual_seed(12);
-  for (int64_t d : {24, 40, 64, 128, 320}) {  // 320: wider than the blocks widened on the stack
+  for (int64_t d : {16, 24, 40, 64, 128, 320}) {  // 320: wider than the blocks widened on the stack
     const int64_t keys = 70, capacity = 80, s = 2;
     // Key rows from 1/4 to 4 (scores stay within the exponential's useful range), value rows from
     // 4^-3 to 4^3.
