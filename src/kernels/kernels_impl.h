@@ -109,7 +109,7 @@ constexpr int kLineParts = 4 / static_cast<int>(sizeof(WeightElement<T>));
 template <class Vec, WeightType T>
 constexpr int row_tile = T == WeightType::kF32 ? Vec::kF32RowTile : Vec::kRowTile;
 
-/// Fetches the next tile's weight rows (the bytes that follow this tile's) into L2 while this tile
+/// Fetches the next tile's weight rows (the bytes that follow this tile's) into the caches while this tile
 /// computes (the hardware prefetcher alone leaves a single thread well below the machine's read
 /// bandwidth). With one row pass (up to row_tile<Vec, T> input rows) each step fetches the line at the
 /// offset it reads in each row, as the tile reads them. With several passes the next tile's bytes
@@ -120,9 +120,10 @@ constexpr int row_tile = T == WeightType::kF32 ? Vec::kF32RowTile : Vec::kRowTil
 /// other passes with no transfer in flight. An exact even schedule (a line whenever its share of
 /// the steps is due) made 8 rows of f32 12% slower, 16 rows unchanged. The bench's 85 products
 /// through kernels::linear, 16 rows: f32 40.4 -> 36.4 ms, bf16 30.4 -> 26.3 ms (1 and 4 rows, one
-/// pass: unchanged). Locality 2 (prefetcht1, into L2): with prefetcht0 the bench's f32 decode step
-/// took 24.2 ms instead of 22.9 at batch 1, FP8 2-3% longer. Copied into the tile loops (a local
-/// kept in registers) and back.
+/// pass: unchanged). The fetches in address order go into L2 (prefetcht1: with prefetcht0 the
+/// bench's f32 decode step, then on adjacent tiles, took 24.2 ms instead of 22.9 at batch 1); the
+/// fetches of one pass and of far streams into L1 (see prefetch_step). Copied into the tile loops
+/// (a local kept in registers) and back.
 struct TilePrefetch {
   const char* next = nullptr;  // null: no next tile in this call's range
   int64_t row_bytes = 0;
@@ -158,9 +159,12 @@ struct TilePrefetch {
 /// far streams, none fetched / far streams fetching 512, 1024, 1536 bytes ahead): 4 rows 15.3-15.7
 /// / 16.5-17.1 / 15.8-16.5, 14.0-14.6, 14.1-14.5; 16 rows 32.2-32.9 / - / 31.4, 29.4-29.8,
 /// 30.9-31.3. With 2 rows the fetches made far streams slower (10.3-10.6 -> 12.5), with 1 and 3
-/// within the noise: they keep streaming without.
+/// within the noise: they keep streaming without. With the fetches into L1 (prefetch_step),
+/// 2048 bytes ahead against 1024 and 3072 (medians of 15 in one process, 4 KiB pages): 4 rows
+/// 13.5 (13.5, 13.8) ms, 6 rows 14.2 (14.8, 14.8), 8 rows 17.3 (18.5, 16.7), 12 rows 22.3 (22.8,
+/// 22.2), 16 rows 27.1 (28.0, 27.1).
 constexpr int64_t kStreamPrefetchRows = 4;
-constexpr int64_t kStreamPrefetchBytes = 1024;
+constexpr int64_t kStreamPrefetchBytes = 2048;
 
 inline TilePrefetch TilePrefetch::in_streams(const void* w, int64_t o, int64_t stride, int64_t row_bytes,
                                              int64_t rows) {
@@ -185,9 +189,15 @@ inline void prefetch_step(TilePrefetch& p, int64_t offset) {
   if constexpr (kInOrder) {
     for (int64_t k = 0; k < p.per_step && p.pos < p.end; ++k, p.pos += 64) __builtin_prefetch(p.next + p.pos, 0, 2);
   } else if (offset % 64 == 0) {  // once per cache line of each row (integers: see in_streams)
+    // Into L1 (prefetcht0): the bench's 85 float32 products on far streams, one process
+    // alternating the builds, medians of 15, against prefetcht1 1024 bytes ahead: 4 rows 15.6 ->
+    // 13.9 ms, 6 rows 20.8 -> 18.5, 8 rows 19.7 -> 17.6, 12 rows 30.5 -> 28.5, 16 rows 31.6 -> 28.8
+    // (now 2048 bytes ahead, kStreamPrefetchBytes; the same bits); bf16 and E4M3 tiles of one pass
+    // (2 to 4 rows) within 2% either way. The decode step from a checkpoint: batch 4 15.6 -> 14.4
+    // ms, batch 16 32.1 -> 30.1.
     const uintptr_t line = reinterpret_cast<uintptr_t>(p.next) + static_cast<uintptr_t>(offset);
     for (int oo = 0; oo < OT; ++oo)
-      __builtin_prefetch(reinterpret_cast<const char*>(line + static_cast<uintptr_t>(oo * p.row_bytes)), 0, 2);
+      __builtin_prefetch(reinterpret_cast<const char*>(line + static_cast<uintptr_t>(oo * p.row_bytes)), 0, 3);
   }
 }
 
