@@ -1,7 +1,10 @@
 #include "vlmgen/io/json.h"
 
 #include <algorithm>
+#include <string>
+#include <unordered_set>
 #include <utility>
+#include <vector>
 
 #include "json_parse.h"
 #include "vlmgen/error.h"
@@ -61,7 +64,22 @@ namespace detail {
 nlohmann::json parse_json(std::string_view text, const std::string& what, const JsonLimits& limits) {
   check_json_limits(text, limits, what);
   try {
-    return nlohmann::json::parse(text.begin(), text.end());
+    if (!limits.unique_keys()) return nlohmann::json::parse(text.begin(), text.end());
+    std::vector<std::unordered_set<std::string>> open_objects;  // the keys seen in each enclosing object
+    auto callback = [&](int, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+      if (event == nlohmann::json::parse_event_t::object_start) {
+        open_objects.emplace_back();
+      } else if (event == nlohmann::json::parse_event_t::object_end) {
+        open_objects.pop_back();
+      } else if (event == nlohmann::json::parse_event_t::key) {
+        const auto& key = parsed.get_ref<const std::string&>();
+        VLMGEN_CHECK(open_objects.back().insert(key).second,
+                     "{}: the key '{}' appears twice in one object; each name must be given once", what,
+                     quote_excerpt(key, 120));
+      }
+      return true;
+    };
+    return nlohmann::json::parse(text.begin(), text.end(), callback);
   } catch (const nlohmann::json::exception& e) {
     VLMGEN_FAIL("{}: not valid JSON ({} bytes): {}", what, text.size(), quote_excerpt(e.what(), 160));
   }

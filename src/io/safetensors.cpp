@@ -276,8 +276,9 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
 }
 
 void SafetensorsFile::read_header(std::string_view text) {
-  const Json header = detail::parse_json(text, fmt::format("safetensors file '{}' header", path_),
-                                         JsonLimits().max_bytes(static_cast<int64_t>(kMaxHeaderBytes)));
+  const Json header =
+      detail::parse_json(text, fmt::format("safetensors file '{}' header", path_),
+                         JsonLimits().max_bytes(static_cast<int64_t>(kMaxHeaderBytes)).unique_keys(true));
   VLMGEN_CHECK(header.is_object(), "safetensors file '{}': the header must be a JSON object, got {}", path_,
                header.type_name());
   for (const auto& item : header.items()) {

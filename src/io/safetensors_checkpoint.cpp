@@ -51,7 +51,7 @@ SafetensorsCheckpoint::SafetensorsCheckpoint(const std::string& dir) {
 
   const std::string what = fmt::format("checkpoint index '{}'", index_path);
   const Json index = detail::parse_json(read_regular_file(index_path, "checkpoint index", kMaxIndexBytes), what,
-                                        JsonLimits().max_bytes(kMaxIndexBytes));
+                                        JsonLimits().max_bytes(kMaxIndexBytes).unique_keys(true));
   VLMGEN_CHECK(index.is_object(), "{} must be a JSON object, got {}", what, index.type_name());
   VLMGEN_CHECK(index.contains("weight_map") && index.at("weight_map").is_object(), "{} has no \"weight_map\" object",
                what);

@@ -273,6 +273,27 @@ TEST(HostileSafetensors, RanksAbove64AreRefused) {
               AllOf(HasSubstr("65 dimensions"), HasSubstr("limit of 64")));
 }
 
+// A tensor's name given twice in a header means two things at once: refused, naming it, whether
+// the two point at other bytes (the first would be dropped, its bytes a "hole") or at the same
+// bytes (one of two dtypes would win silently). So is a name mapped twice in an index.
+TEST(HostileSafetensors, ANameGivenTwiceIsRefusedNamingIt) {
+  EXPECT_THAT(layout_error(f32_entry("a", 0, 4) + "," + f32_entry("b", 4, 8) + "," + f32_entry("a", 8, 12), 12),
+              AllOf(HasSubstr("m.safetensors"), HasSubstr("'a' appears twice"), Not(HasSubstr("hole"))));
+  EXPECT_THAT(layout_error(f32_entry("a", 0, 4) + R"(,"a":{"dtype":"I32","shape":[1],"data_offsets":[0,4]})", 4),
+              HasSubstr("'a' appears twice"));
+  // The same key in different objects is no repeat: each entry's "dtype", a metadata key that is
+  // also a tensor's name.
+  EXPECT_EQ(layout_error(R"("__metadata__":{"a":"x"},)" + f32_entry("a", 0, 4) + "," + f32_entry("b", 4, 8), 8),
+            "<no error>");
+  TempDir dir;
+  save_safetensors(dir / "s1.safetensors", {{"a", at::ones({2})}});
+  save_safetensors(dir / "s2.safetensors", {{"a", at::zeros({2})}});
+  write_bytes(dir / "model.safetensors.index.json",
+              R"({"weight_map": {"a": "s1.safetensors", "a": "s2.safetensors"}})");
+  EXPECT_THAT(error_of([&] { SafetensorsCheckpoint c(dir.path()); }),
+              AllOf(HasSubstr("model.safetensors.index.json"), HasSubstr("'a' appears twice")));
+}
+
 // The model's constructor holds a config to the same rules as QwenVlConfig::validate(): a
 // config the loader would refuse cannot be built by hand either.
 TEST(HostileConfig, TheConstructorRefusesWhatValidateRefuses) {

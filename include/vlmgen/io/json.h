@@ -35,9 +35,19 @@ class JsonLimits {
   }
   int64_t max_bytes() const { return max_bytes_; }
 
+  /// Refuse an object that holds a key twice. Default false, as Python's json and nlohmann's
+  /// parser take the last value (config files); true where a name must mean one thing (the
+  /// tensors of a safetensors header, a checkpoint index's weight_map).
+  JsonLimits& unique_keys(bool value) {
+    unique_keys_ = value;
+    return *this;
+  }
+  bool unique_keys() const { return unique_keys_; }
+
  private:
   int64_t max_depth_ = kMaxJsonDepth;
   int64_t max_bytes_ = int64_t{16} << 20;
+  bool unique_keys_ = false;
 };
 
 /// Throws vlmgen::Error naming `what`, the limit and what came when `text` is longer than
