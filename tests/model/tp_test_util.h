@@ -1,12 +1,14 @@
 #pragma once
 
-// Helpers of the tensor-parallel model tests (tensor_parallel_model_test.cpp,
+// Helpers of the tensor-parallel model tests (tensor_parallel_*_test.cpp,
 // vision_tower_tp_test.cpp): expected shards computed independently of the library, groups that
-// refuse or count collectives, and the comparison of a TP run with a TP=1 run, call by call.
+// refuse or count collectives, the comparison of a TP run with a TP=1 run, call by call, and the
+// requests they generate from.
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "multiprocess_test_util.h"
+#include "qwen_test_util.h"
 #include "vlmgen/detail/torch_compat.h"
 #include "vlmgen/distributed/communicator.h"
 #include "vlmgen/error.h"
@@ -21,6 +24,7 @@
 #include "vlmgen/models/gemma3.h"
 #include "vlmgen/models/llava_next.h"
 #include "vlmgen/models/qwen_vl.h"
+#include "vlmgen/models/qwen_vl_config.h"
 #include "vlmgen/parallel.h"
 #include "vlmgen/testing/forward_spy.h"
 
@@ -197,6 +201,24 @@ inline std::vector<std::pair<std::string, std::string>> two_rank_env(
   more.emplace_back("VLMGEN_TEST_TP", "2");
   more.emplace_back("VLMGEN_TEST_TIMEOUT_MS", "20000");
   return more;
+}
+
+inline double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Two rows with an image each, of lengths 13 and 14 (left-padded to 14).
+inline GenerateRequest image_request(const QwenVlConfig& c) {
+  return GenerateRequest(
+      {qwen_test::image_prompt({1, 2, 3, 4, 5}, 4, {6, 7}), qwen_test::image_prompt({9}, 8, {10, 11, 12})},
+      qwen_test::make_vision(c, {{1, 4, 4}, {1, 4, 8}}, 81));
+}
+
+// Two rows of 13 tokens each: a prompt length that does not divide by 2.
+inline GenerateRequest odd_length_request(const QwenVlConfig& c) {
+  return GenerateRequest(
+      {qwen_test::image_prompt({1, 2, 3, 4, 5}, 4, {6, 7}), qwen_test::image_prompt({9}, 8, {10, 11})},
+      qwen_test::make_vision(c, {{1, 4, 4}, {1, 4, 8}}, 82));
 }
 
 // Gemma-3 (tiny config): two rows of 10 and 11 tokens (ragged, odd), an image of 4 placeholders in each.

@@ -2,7 +2,7 @@
 # rot_pos_emb, cu_seqlens vision attention, PatchMerger, get_rope_index, Qwen2VLRotaryEmbedding,
 # apply_multimodal_rotary_pos_emb, repeat_kv, 4-D causal mask, Qwen2RMSNorm, Qwen2MLP), run on
 # hash-derived weights so the C++ test can rebuild the same model without a checkpoint.
-# Prints golden numbers for tests/model/qwen2_vl_test.cpp (Qwen2VlHfParityTest) when run; the Python
+# Prints golden numbers for tests/model/qwen2_vl_hf_test.cpp (Qwen2VlHfParityTest) when run; the Python
 # binding tests (tests/python) import it as the model written in plain PyTorch.
 import math
 import torch
