@@ -60,26 +60,54 @@ std::string quote_excerpt(std::string_view text, size_t max_chars) {
 }
 
 namespace detail {
+namespace {
+
+/// A pass over JSON text that throws at the first object holding a key twice. Its own pass in
+/// linear time: nlohmann's DOM parser with a callback walks the enclosing container's members
+/// each time an object closes, quadratic in a header's tensor entries.
+class UniqueKeys : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  explicit UniqueKeys(const std::string& what) : what_(what) {}
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override {
+    open_objects_.emplace_back();
+    return true;
+  }
+  bool key(string_t& key) override {
+    VLMGEN_CHECK(open_objects_.back().insert(key).second,
+                 "{}: the key '{}' appears twice in one object; each name must be given once", what_,
+                 quote_excerpt(key, 120));
+    return true;
+  }
+  bool end_object() override {
+    open_objects_.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) override { return true; }
+  bool end_array() override { return true; }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
+
+ private:
+  const std::string& what_;
+  std::vector<std::unordered_set<std::string>> open_objects_;  // the keys seen in each enclosing object
+};
+
+}  // namespace
 
 nlohmann::json parse_json(std::string_view text, const std::string& what, const JsonLimits& limits) {
   check_json_limits(text, limits, what);
   try {
-    if (!limits.unique_keys()) return nlohmann::json::parse(text.begin(), text.end());
-    std::vector<std::unordered_set<std::string>> open_objects;  // the keys seen in each enclosing object
-    auto callback = [&](int, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-      if (event == nlohmann::json::parse_event_t::object_start) {
-        open_objects.emplace_back();
-      } else if (event == nlohmann::json::parse_event_t::object_end) {
-        open_objects.pop_back();
-      } else if (event == nlohmann::json::parse_event_t::key) {
-        const auto& key = parsed.get_ref<const std::string&>();
-        VLMGEN_CHECK(open_objects.back().insert(key).second,
-                     "{}: the key '{}' appears twice in one object; each name must be given once", what,
-                     quote_excerpt(key, 120));
-      }
-      return true;
-    };
-    return nlohmann::json::parse(text.begin(), text.end(), callback);
+    if (limits.unique_keys()) {
+      UniqueKeys check(what);
+      nlohmann::json::sax_parse(text.begin(), text.end(), &check);  // text that is not JSON: refused below
+    }
+    return nlohmann::json::parse(text.begin(), text.end());
   } catch (const nlohmann::json::exception& e) {
     VLMGEN_FAIL("{}: not valid JSON ({} bytes): {}", what, text.size(), quote_excerpt(e.what(), 160));
   }

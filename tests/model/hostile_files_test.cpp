@@ -294,6 +294,17 @@ TEST(HostileSafetensors, ANameGivenTwiceIsRefusedNamingIt) {
               AllOf(HasSubstr("model.safetensors.index.json"), HasSubstr("'a' appears twice")));
 }
 
+// The check for repeated names takes one linear pass: 1.2 MB of header holding 200,000 objects
+// is refused (not a tensor entry) at once, where a parser that rescans a container's members as
+// each object closes takes minutes.
+TEST(HostileSafetensors, CheckingNamesOfAHugeHeaderTakesLinearTime) {
+  std::string objects;
+  for (int i = 0; i < 200'000; ++i) objects += i == 0 ? "{}" : ",{}";
+  const Clock::time_point start = Clock::now();
+  EXPECT_THAT(layout_error(R"("x":[)" + objects + "]", 0), HasSubstr("'x'"));
+  EXPECT_LT(seconds_since(start), 2.0);
+}
+
 // The model's constructor holds a config to the same rules as QwenVlConfig::validate(): a
 // config the loader would refuse cannot be built by hand either.
 TEST(HostileConfig, TheConstructorRefusesWhatValidateRefuses) {

@@ -1,7 +1,7 @@
 // Qwen2.5-VL and Qwen3-VL: parity with an independent PyTorch transcription of HF's modeling
-// code, the span rule with DeepStack, step invariance and the parameter count. Each test runs for
-// both families (TEST_P); checkpoints and bad configs are in qwen_families_checkpoint_test.cpp,
-// Qwen2-VL has its own files (qwen2_vl_*test.cpp).
+// code, the span rule with DeepStack, step invariance, the parameter count and config.json's
+// round trip. Each test runs for both families (TEST_P); checkpoints, config layouts and bad
+// configs are in qwen_families_checkpoint_test.cpp, Qwen2-VL has its own files (qwen2_vl_*test.cpp).
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

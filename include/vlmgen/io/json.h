@@ -1,9 +1,9 @@
 #pragma once
 
 // Limits every JSON text vlmgen reads is held to (safetensors headers, checkpoint indexes,
-// config.json, preprocessor_config.json). They are checked on the raw text before a parser sees
-// it: a header nested thousands of levels deep otherwise overflows the stack in any recursive
-// walk over the parsed value (dump, comparison, copy) and costs memory for nothing.
+// config.json, preprocessor_config.json). Size and depth are checked on the raw text before a
+// parser sees it: a header nested thousands of levels deep otherwise overflows the stack in any
+// recursive walk over the parsed value (dump, comparison, copy) and costs memory for nothing.
 //
 //   vlmgen::check_json_limits(text, vlmgen::JsonLimits().max_bytes(1 << 20), "config.json");
 
@@ -35,9 +35,10 @@ class JsonLimits {
   }
   int64_t max_bytes() const { return max_bytes_; }
 
-  /// Refuse an object that holds a key twice. Default false, as Python's json and nlohmann's
-  /// parser take the last value (config files); true where a name must mean one thing (the
-  /// tensors of a safetensors header, a checkpoint index's weight_map).
+  /// Refuse any object in the text that holds a key twice (checked by the parser in a pass of
+  /// its own, not by check_json_limits). Default false, as Python's json and nlohmann's parser
+  /// take the last value (config files); true where a name must mean one thing (safetensors
+  /// headers: tensor names, each entry's fields, __metadata__; a checkpoint index).
   JsonLimits& unique_keys(bool value) {
     unique_keys_ = value;
     return *this;
