@@ -191,6 +191,10 @@ RopePlan PythonModel::plan_positions(const at::Tensor& input_ids, const at::Tens
                                (p.dim() == 3 && p.size(1) == batch && p.size(2) == columns)),
                "{}.plan_positions: positions must be [{}, {}] or [axes, {}, {}], got {}", name_, batch, columns, batch,
                columns, p.defined() ? detail::shape_str(p) : std::string("undefined"));
+  VLMGEN_CHECK(
+      !at::isFloatingType(p.scalar_type()) && !at::isComplexType(p.scalar_type()) && p.scalar_type() != at::kBool,
+      "{}.plan_positions: positions must be an integer tensor, got {} (a float would be cut silently)", name_,
+      c10::toString(p.scalar_type()));
   VLMGEN_CHECK(static_cast<int64_t>(plan.delta.size()) == batch || plan.delta.empty(),
                "{}.plan_positions: delta must have one value per row ({}), got {}", name_, batch, plan.delta.size());
   if (plan.delta.empty()) plan.delta.assign(static_cast<size_t>(batch), 0);

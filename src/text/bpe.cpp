@@ -37,7 +37,10 @@ bool BpeMerges::add(int32_t left, int32_t right, int32_t rank, int32_t merged) {
   const uint64_t key = key_of(left, right);
   size_t slot = slot_of(key);
   while (table_[slot].key != kEmpty) {
-    if (table_[slot].key == key) return false;
+    if (table_[slot].key == key) {
+      table_[slot] = Entry{key, rank, merged};
+      return false;
+    }
     slot = (slot + 1) & (table_.size() - 1);
   }
   table_[slot] = Entry{key, rank, merged};

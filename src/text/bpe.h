@@ -14,8 +14,9 @@ class BpeMerges {
  public:
   /// Room for `count` merges without rehashing.
   void reserve(size_t count);
-  /// Adds the merge (left, right) → merged at `rank`. False when the pair is already there
-  /// (the earlier rank stays, as in HF tokenizers).
+  /// Adds the merge (left, right) → merged at `rank`. False when the pair was already there: the
+  /// later rank replaces it, as in HF tokenizers (its merges are collected into a map) and
+  /// transformers.js.
   bool add(int32_t left, int32_t right, int32_t rank, int32_t merged);
   /// Rank of merging (left, right), and the merged id, or false when they do not merge.
   bool find(int32_t left, int32_t right, int32_t* rank, int32_t* merged) const;

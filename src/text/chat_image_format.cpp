@@ -30,6 +30,7 @@ ChatImageFormat ChatImageFormat::qwen_vl(const Tokenizer& tokenizer, QwenImagePr
   format.tokens = VisionTokenIds{required_token(tokenizer, "<|vision_start|>", "Qwen-VL"),
                                  required_token(tokenizer, "<|image_pad|>", "Qwen-VL"),
                                  required_token(tokenizer, "<|vision_end|>", "Qwen-VL")};
+  format.tokens.video_pad = tokenizer.token_id("<|video_pad|>").value_or(-1);
   const int64_t merge = options.merge_size();
   format.preprocess = [options](const std::vector<Image>& images) { return vlmgen::preprocess(images, options); };
   format.placeholder_counts = [merge](const VisionInputs& v) { return v.placeholder_counts(merge); };

@@ -100,15 +100,18 @@ ChatPrompt ChatProcessor::build(const std::vector<ChatMessage>& messages, const 
 ChatPrompt ChatProcessor::assemble(const std::vector<ChatSegment>& segments, const std::vector<ChatMessage>& messages,
                                    const std::vector<Image>& images, size_t first) const {
   // Count and check before decoding anything. An image's tokens typed into the text would stand
-  // for an image the prompt does not carry (the model would fail halfway through a forward).
-  for (int64_t id : {format_.tokens.vision_start, format_.tokens.image_pad, format_.tokens.vision_end}) {
+  // for an image the prompt does not carry (the model would fail halfway through a forward), and
+  // a video's for a video, which no model here takes yet.
+  for (int64_t id :
+       {format_.tokens.vision_start, format_.tokens.image_pad, format_.tokens.vision_end, format_.tokens.video_pad}) {
     if (id < 0) continue;
     const std::string typed = tokenizer_.decode({id});
+    const bool video = id == format_.tokens.video_pad;
     for (const ChatSegment& s : segments) {
-      VLMGEN_CHECK(s.image >= 0 || typed.empty() || s.text.find(typed) == std::string::npos,
-                   "the messages' text holds the image token '{}' (id {}); an image goes in an image part, which "
-                   "writes its own tokens",
-                   typed, id);
+      VLMGEN_CHECK(
+          s.image >= 0 || typed.empty() || s.text.find(typed) == std::string::npos,
+          "the messages' text holds the {} token '{}' (id {}); {}", video ? "video" : "image", typed, id,
+          video ? "videos are not supported yet" : "an image goes in an image part, which writes its own tokens");
     }
   }
   const std::vector<ImageRef> refs = image_parts(messages, first);

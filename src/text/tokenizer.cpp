@@ -221,20 +221,34 @@ std::vector<int64_t> Tokenizer::encode(std::string_view text, const EncodeOption
 }
 
 std::string Tokenizer::decode(const std::vector<int64_t>& ids, bool skip_special_tokens) const {
-  std::string bytes;
+  std::string bytes;  // other tokens' bytes: one lossy pass over them (a character may span tokens)
+  std::string run;    // a run of byte-fallback tokens: decoded whole when it ends
   std::string out;
   for (int64_t id : ids) {
     if (!has_token(id)) {
+      detail::flush_fallback_run(out, run);
       detail::append_utf8_lossy(out, bytes, true);
       bytes.clear();
       out.append("\xEF\xBF\xBD");
       continue;
     }
     if (skip_special_tokens && is_special(id)) continue;
+    if (is_fallback_byte(id)) {
+      detail::append_utf8_lossy(out, bytes, true);
+      bytes.clear();
+      run.append(impl_->id_bytes[static_cast<size_t>(id)]);
+      continue;
+    }
+    detail::flush_fallback_run(out, run);
     bytes.append(impl_->id_bytes[static_cast<size_t>(id)]);
   }
+  detail::flush_fallback_run(out, run);
   detail::append_utf8_lossy(out, bytes, true);
   return out;
+}
+
+bool Tokenizer::is_fallback_byte(int64_t id) const {
+  return has_token(id) && impl_->fallback_bytes[static_cast<size_t>(id)] != 0;
 }
 
 std::string_view Tokenizer::token_bytes(int64_t id) const {

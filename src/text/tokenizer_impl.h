@@ -67,6 +67,7 @@ struct Tokenizer::Impl {
   std::vector<std::string> id_bytes;               // [vocab_size]: the raw bytes each id stands for
   int64_t id_limit = 0;                            // while loading: ids must be below this (the entries plus kIdSlack)
   std::vector<Kind> kinds;                         // [vocab_size]
+  std::vector<uint8_t> fallback_bytes;             // [vocab_size]: 1 for the <0xXX> tokens of a ByteFallback decoder
   std::unordered_map<std::string, int32_t> vocab;  // raw bytes → id, the BPE vocabulary
   std::array<int32_t, 256> byte_ids{};             // the token of each single byte
   detail::BpeMerges merges;
@@ -95,8 +96,9 @@ struct TokenDecoder {
   bool byte_fallback = false;  // "<0xXX>" stands for byte XX
   std::vector<std::pair<std::string, std::string>> replacements;
 
-  /// The raw bytes `token` (its text in tokenizer.json) decodes to.
-  std::string bytes_of(const std::string& token) const;
+  /// The raw bytes `token` (its text in tokenizer.json) decodes to; *fallback_byte tells whether
+  /// it is a "<0xXX>" token of the ByteFallback step (whose runs decode together).
+  std::string bytes_of(const std::string& token, bool* fallback_byte = nullptr) const;
 };
 TokenDecoder load_decoder(const nlohmann::json& node, bool byte_level, const std::string& what);
 /// The raw bytes of a byte-level token's text (GPT-2's alphabet), or false when a character is

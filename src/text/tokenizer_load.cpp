@@ -175,7 +175,7 @@ int32_t checked_id(const json& value, const std::string& what, const std::string
 }
 
 void set_token(Tokenizer::Impl& impl, int32_t id, std::string bytes, Tokenizer::Impl::Kind kind,
-               const std::string& what) {
+               const std::string& what, bool fallback_byte = false) {
   VLMGEN_CHECK(id < impl.id_limit,
                "{}: id {} is far past the {} vocabulary and added entries; expected ids below {} (entries plus {} "
                "for gaps)",
@@ -184,9 +184,11 @@ void set_token(Tokenizer::Impl& impl, int32_t id, std::string bytes, Tokenizer::
   if (index >= impl.id_bytes.size()) {
     impl.id_bytes.resize(index + 1);
     impl.kinds.resize(index + 1, Tokenizer::Impl::Kind::kNone);
+    impl.fallback_bytes.resize(index + 1, 0);
   }
   impl.id_bytes[index] = std::move(bytes);
   impl.kinds[index] = kind;
+  impl.fallback_bytes[index] = fallback_byte ? 1 : 0;
 }
 
 // The bytes of a vocabulary entry or merge part as the BPE sees them: byte-level text mapped
@@ -212,7 +214,9 @@ void load_vocab(Tokenizer::Impl& impl, const TokenizerJsonReader& reader, const 
                  "{}: id {} is given to two vocabulary tokens", what, id);
     VLMGEN_CHECK(impl.vocab.emplace(bytes, id).second, "{}: token {} is in the vocabulary twice", what,
                  quote_excerpt(token));
-    set_token(impl, id, impl.byte_level ? bytes : decoder.bytes_of(token), Tokenizer::Impl::Kind::kVocab, what);
+    bool fallback_byte = false;
+    std::string decoded = impl.byte_level ? bytes : decoder.bytes_of(token, &fallback_byte);
+    set_token(impl, id, std::move(decoded), Tokenizer::Impl::Kind::kVocab, what, fallback_byte);
   }
   // The token of each byte: the byte itself (byte-level) or its "<0xXX>" fallback token.
   for (int b = 0; b < 256; ++b) {
@@ -277,8 +281,10 @@ void load_added_tokens(Tokenizer::Impl& impl, const json& list, const detail::To
                    quote_excerpt(token.content), token.id, key);
     }
     // Decoding runs added tokens through the decoder too, as HF does.
-    set_token(impl, static_cast<int32_t>(token.id), decoder.bytes_of(token.content),
-              token.special ? Tokenizer::Impl::Kind::kSpecial : Tokenizer::Impl::Kind::kAdded, what);
+    bool fallback_byte = false;
+    std::string decoded = decoder.bytes_of(token.content, &fallback_byte);
+    set_token(impl, static_cast<int32_t>(token.id), std::move(decoded),
+              token.special ? Tokenizer::Impl::Kind::kSpecial : Tokenizer::Impl::Kind::kAdded, what, fallback_byte);
     for (int parse_special = 0; parse_special < 2; ++parse_special) {
       if (token.special && !parse_special) continue;
       // A normalized token is looked for in the normalized text, as its normalized content.

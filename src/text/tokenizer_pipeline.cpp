@@ -177,7 +177,8 @@ void load_pre_tokenizer(Tokenizer::Impl& impl, const json& node, const std::stri
       what, type);
 }
 
-std::string TokenDecoder::bytes_of(const std::string& token) const {
+std::string TokenDecoder::bytes_of(const std::string& token, bool* fallback_byte) const {
+  if (fallback_byte != nullptr) *fallback_byte = false;
   std::string bytes;
   if (byte_level) {
     // Byte-level: the bytes the characters stand for when they all belong to the alphabet (as
@@ -197,7 +198,10 @@ std::string TokenDecoder::bytes_of(const std::string& token) const {
   }
   if (byte_fallback) {
     const int value = byte_fallback_value(bytes);
-    if (value >= 0) return std::string(1, static_cast<char>(value));
+    if (value >= 0) {
+      if (fallback_byte != nullptr) *fallback_byte = true;
+      return std::string(1, static_cast<char>(value));
+    }
   }
   return bytes;
 }

@@ -83,6 +83,19 @@ inline size_t append_utf8_lossy(std::string& out, std::string_view bytes, bool f
   return i;
 }
 
+/// Appends a run of byte-fallback tokens' bytes (one byte per token; Tokenizer::is_fallback_byte)
+/// as HF's ByteFallback decoder does: the bytes when the whole run is valid UTF-8, else one
+/// U+FFFD per token, and empties it.
+inline void flush_fallback_run(std::string& out, std::string& run) {
+  if (run.empty()) return;
+  if (!find_invalid_utf8(run)) {
+    out.append(run);
+  } else {
+    for (size_t i = 0; i < run.size(); ++i) out.append("\xEF\xBF\xBD");
+  }
+  run.clear();
+}
+
 /// Whether every byte of `s` is ASCII.
 inline bool is_ascii(std::string_view s) {
   for (char c : s) {

@@ -342,6 +342,21 @@ def test_the_tokenizer_and_chat_prompts_of_a_checkpoint_folder(tmp_path):
         chat.build([{"role": "user", "content": [{"type": "video"}]}])
 
 
+class FloatPositions(TorchQwen2VL):
+    """Plans its positions as floats (a research model's slip): they would be cut to integers."""
+
+    def plan_positions(self, input_ids, attention_mask, vision):
+        plan = super().plan_positions(input_ids, attention_mask, vision)
+        return (plan.prompt_positions.float() * 0.5, plan.delta)
+
+
+def test_float_positions_from_plan_positions_are_refused_not_cut():
+    generator = vlmgen.Generator(FloatPositions())
+    prompt = image_prompt([1, 2, 3], (1, 4, 4), [4, 5])
+    with pytest.raises(vlmgen.Error, match="positions must be an integer tensor, got Float"):
+        generator.generate([prompt], vlmgen.GenerationConfig(max_new_tokens=2), vision=vision_for([(1, 4, 4)]))
+
+
 def test_a_model_that_claims_a_kv_cache_must_say_its_shape():
     class NoSpec(Counting):
         traits = {"vocab_size": 17}

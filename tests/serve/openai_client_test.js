@@ -174,6 +174,21 @@ async function main() {
           'streamed logprobs and top_logprobs equal the non-streamed ones', { i, a, b });
   }
   console.log('OK logprobs (streamed too)');
+  // Each entry's bytes are its token's own: joined, they rebuild the text, also where a character
+  // is split over tokens (sampled from the tiny model's byte-level vocabulary until one is).
+  let split = null;
+  for (let seed = 1; seed <= 16 && split === null; seed++) {
+    const r = await client.chat.completions.create({ messages: [{ role: 'user', content: 'hi' }], max_tokens: 100,
+                                                     temperature: 1, seed, logprobs: true });
+    const entries = r.choices[0].logprobs.content;
+    const text = entries.slice(0, r.choices[0].finish_reason === 'length' ? entries.length : -1);  // an end token is not text
+    const joined = new TextDecoder().decode(Buffer.concat(text.map((e) => Buffer.from(e.bytes))));
+    check(joined === r.choices[0].message.content, 'the logprob entries\' bytes rebuild the text', { seed, joined, content: r.choices[0].message.content });
+    const alone = (e) => { try { new TextDecoder('utf-8', { fatal: true }).decode(Buffer.from(e.bytes)); return true; } catch { return false; } };
+    if (text.some((e) => !alone(e))) split = seed;  // a token holding part of a character: its bytes alone are not UTF-8
+  }
+  check(split !== null, 'some sampled answer has a token whose own bytes are part of a character', null);
+  console.log(`OK logprob bytes rebuild the text (a split character at seed ${split})`);
 
   // 5. Load: 64 requests from 16 at a time, mixed, each equal to its single-request result.
   const variants = [
@@ -230,6 +245,10 @@ async function main() {
     ['17 images (--max-images 16)', { ...ok, messages: images(17, 'data:image/png;base64,' + Buffer.from('x').toString('base64')) }, 400, 'messages'],
     ['2M pixels in two images (--max-total-image-pixels 1500000)', { ...ok, messages: images(2, black) }, 400, 'messages[0].content[1].image_url.url'],
     ['image tokens typed into the text', { ...ok, messages: [{ role: 'user', content: 'see <|vision_start|><|image_pad|><|vision_end|>' }] }, 400, 'messages'],
+    ['a video token typed into the text', { ...ok, messages: [{ role: 'user', content: 'hi <|video_pad|>' }] }, 400, 'messages'],
+    ['frequency_penalty 0.5 (not applied by vlmgen)', { ...ok, frequency_penalty: 0.5 }, 400, 'frequency_penalty'],
+    ['presence_penalty a string', { ...ok, presence_penalty: 'x' }, 400, 'presence_penalty'],
+    ['max_tokens a string beside max_completion_tokens', { ...ok, max_completion_tokens: 3, max_tokens: 'abc' }, 400, 'max_tokens'],
     ['a body that is not UTF-8', Buffer.from('{"messages":[{"role":"user","content":"\xff"}]}', 'latin1'), 400, null],
     ['a role cut inside a character', { messages: [{ role: '日本語日本語日本語日本語', content: 'hi' }] }, 400, 'messages[0].role'],
     ['a gzip-encoded body', ok, 415, null, { headers: { 'Content-Encoding': 'gzip' } }],
@@ -346,8 +365,19 @@ async function limits() {
   const third = await post({ ...base, messages: withUrl(imageUrl) });
   check(third.status === 429 && third.headers.get('retry-after') === '1' && third.body.error.type === 'rate_limit_error',
         'a full queue answers 429 with Retry-After', { status: third.status, body: third.body });
-  first.controller.abort();
+  // The queued stream's client leaves: the keep-alive comments (--keep-alive-seconds 0.1) find it
+  // gone, and it leaves the queue while the first still runs (its 1500 tokens take seconds).
+  const queued499 = await statusCount(499);
   second.controller.abort();
+  let left = false;
+  for (let i = 0; i < 40 && !left; i++) {
+    await new Promise((res) => setTimeout(res, 50));
+    left = (await metric('vlmgen_requests_waiting')) === 0 && (await statusCount(499)) === queued499 + 1;
+  }
+  check(left && (await metric('vlmgen_requests_running')) === 1,
+        'an abandoned queued stream leaves the queue while the running one goes on',
+        { waiting: await metric('vlmgen_requests_waiting'), running: await metric('vlmgen_requests_running') });
+  first.controller.abort();
   let idle = false;
   for (let i = 0; i < 200 && !idle; i++) {
     await new Promise((res) => setTimeout(res, 50));

@@ -57,7 +57,7 @@ export NODE_PATH="$npm_dir/node_modules"
 # Limits: local image paths inside --allow-local-images only, and 429 when the queue is full.
 mkdir -p "$work/images"
 cp "$image" "$work/images/picture.png"
-start_server --max-running 1 --max-waiting 1 --allow-local-images "$work/images"
+start_server --max-running 1 --max-waiting 1 --allow-local-images "$work/images" --keep-alive-seconds 0.1
 if ! VLMGEN_SERVE_IMAGE_DIR="$work/images" node "$here/openai_client_test.js" "$url" sk-test "$work/expected.json" "$image"; then
   echo "--- server log (tail)"; tail -n 30 "$work/serve.err"; kill "$server"; exit 1
 fi

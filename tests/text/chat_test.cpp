@@ -173,7 +173,8 @@ class ChatProcessorTest : public ::testing::Test {
   ChatProcessorTest()
       : tokenizer_(vlmgen::Tokenizer::from_json(
             vlmgen::testing_text::tiny_tokenizer(
-                {}, R"(\s+|\S+)", {"<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"})
+                {}, R"(\s+|\S+)",
+                {"<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"})
                 .dump())),
         processor_(tokenizer_, vlmgen::ChatTemplate::qwen2_vl(), small_images()) {}
   vlmgen::Tokenizer tokenizer_;
@@ -269,6 +270,14 @@ TEST_F(ChatProcessorTest, ImageTokensTypedIntoTheTextAreRefusedBeforeAnyModelRun
     } catch (const vlmgen::Error& e) {
       EXPECT_THAT(e.what(), HasSubstr(std::string("image token '") + typed + "'"));
     }
+  }
+  // A video token would pass for a video (a 500 from deep in the model instead of a clear refusal).
+  try {
+    processor_.build({vlmgen::ChatMessage("user", "hi <|video_pad|>")});
+    FAIL() << "built a prompt whose text holds <|video_pad|>";
+  } catch (const vlmgen::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("video token '<|video_pad|>'"));
+    EXPECT_THAT(e.what(), HasSubstr("videos are not supported yet"));
   }
   // The same message with a real image part builds, its tokens written by the processor.
   const vlmgen::ChatPrompt prompt =

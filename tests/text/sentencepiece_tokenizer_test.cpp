@@ -87,11 +87,47 @@ TEST(SentencePieceTokenizer, ACharacterMissingFromTheVocabularyBecomesItsBytes) 
   // Decoding joins byte tokens back into the character; a byte token alone is one byte.
   EXPECT_EQ(tok.decode({258, 0xC3, 0xBC}), "a\xC3\xBC");
   EXPECT_EQ(tok.token_bytes(0x41), "A");
-  // Streaming holds the first byte of ü until the second arrives.
+  // Streaming holds ü's byte tokens until their run ends (the next other token).
   vlmgen::StreamingDetokenizer detok(tok);
   EXPECT_EQ(detok.push(258), "a");
   EXPECT_EQ(detok.push(0xC3), "");
-  EXPECT_EQ(detok.push(0xBC), "\xC3\xBC");
+  EXPECT_EQ(detok.push(0xBC), "");
+  EXPECT_EQ(detok.pending_bytes(), 2u);
+  EXPECT_EQ(detok.push(258),
+            "\xC3\xBC"
+            "a");
+}
+
+TEST(SentencePieceTokenizer, ARunOfByteTokensThatIsNotUtf8DecodesToOneReplacementPerTokenAsHfDoes) {
+  // HF's ByteFallback decoder: a run of <0xXX> tokens is its text when the whole run is valid
+  // UTF-8, else one U+FFFD per token (the valid part of a spoiled run included). Expected strings
+  // from that rule, written out by hand.
+  const auto tok = load(tiny_spm({kSpace, "a"}, {}));  // a = 258; 中 = E4 B8 AD
+  const std::string r = "\xEF\xBF\xBD";
+  const std::vector<std::pair<std::vector<int64_t>, std::string>> cases = {
+      {{0xE4, 0xB8}, r + r},                      // a cut character: one per token
+      {{0xE4, 0xB8, 0xAD}, "\xE4\xB8\xAD"},       // whole: the character
+      {{0xE4, 0xB8, 0xAD, 0xFF}, r + r + r + r},  // a stray byte spoils the whole run
+      {{0xE4, 0xB8, 0x41}, r + r + r},            // 0x41 is a byte token too: same run
+      {{0xE4, 0xB8, 258, 0x41}, r + r + "aA"},    // another token ends the run
+      {{0xE4, 0xB8, 0xAD, 258, 0xFF},
+       "\xE4\xB8\xAD"
+       "a" +
+           r},
+      {{0xE4, 900, 0xB8, 0xAD}, "\xE4\xB8\xAD"},  // a skipped special token does not end it
+      {{258, 0xC3}, "a" + r},
+  };
+  for (const auto& [ids, expected] : cases) {
+    EXPECT_EQ(tok.decode(ids, /*skip_special_tokens=*/true), expected) << json(ids).dump();
+    vlmgen::StreamingDetokenizer detok(tok, /*skip_special_tokens=*/true);
+    std::string streamed;
+    for (int64_t id : ids) streamed += detok.push(id);
+    streamed += detok.finish();
+    EXPECT_EQ(streamed, expected) << "streamed " << json(ids).dump();
+  }
+  EXPECT_TRUE(tok.is_fallback_byte(0x41));
+  EXPECT_FALSE(tok.is_fallback_byte(258));
+  EXPECT_FALSE(tok.is_fallback_byte(100000));
 }
 
 TEST(SentencePieceTokenizer, ANormalizedAddedTokenIsFoundAsItsNormalizedContent) {

@@ -46,6 +46,14 @@ TEST(Tokenizer, MergesApplyLowestRankFirst) {
   EXPECT_THAT(tok2.encode("abc"), ElementsAre(257));
 }
 
+TEST(Tokenizer, AMergeListedTwiceTakesItsLaterRankAsHfDoes) {
+  // HF tokenizers (and transformers.js) collect the merges into a map: the last listing wins.
+  // "a b" at ranks 0 and 2, "b c" at 1: (b, c) now outranks (a, b), so abc → a + bc.
+  auto tok = load(tiny_tokenizer({{"a", "b"}, {"b", "c"}, {"a", "b"}}));
+  EXPECT_THAT(tok.encode("abc"), ElementsAre('a', 257));
+  EXPECT_THAT(tok.encode("ab"), ElementsAre(256));  // still a merge
+}
+
 TEST(Tokenizer, EqualRanksMergeLeftmostFirstInShortAndLongPieces) {
   auto tok = load(tiny_tokenizer({{"a", "a"}, {"aa", "aa"}}));
   EXPECT_THAT(tok.encode("aaa"), ElementsAre(256, 'a'));

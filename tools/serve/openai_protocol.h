@@ -284,8 +284,10 @@ inline ChatRequest parse_chat_request(const Json& body, const RequestLimits& lim
   if (auto n = integer("n", 1, 1000)) {
     if (*n != 1) throw ApiError(400, "'n' must be 1 (one choice per request)", "n");
   }
+  // Both checked when both are given; max_completion_tokens (the newer name) wins.
   auto max_tokens = integer("max_completion_tokens", 1, limits.max_max_tokens);
-  if (!max_tokens) max_tokens = integer("max_tokens", 1, limits.max_max_tokens);
+  const auto legacy_max_tokens = integer("max_tokens", 1, limits.max_max_tokens);
+  if (!max_tokens) max_tokens = legacy_max_tokens;
   r.max_tokens = max_tokens.value_or(limits.default_max_tokens);
   r.max_tokens_given = max_tokens.has_value();
   r.temperature = number("temperature", 0.0, 2.0).value_or(1.0);
@@ -330,6 +332,13 @@ inline ChatRequest parse_chat_request(const Json& body, const RequestLimits& lim
   if (auto top = integer("top_logprobs", 0, limits.max_top_logprobs)) {
     if (!r.logprobs) throw ApiError(400, "'top_logprobs' needs logprobs: true", "top_logprobs");
     r.top_logprobs = *top;
+  }
+  // Penalties vlmgen does not apply: their default (0) is accepted, anything else refused rather
+  // than silently sampled without.
+  for (const char* penalty : {"frequency_penalty", "presence_penalty"}) {
+    if (number(penalty, -2.0, 2.0).value_or(0.0) != 0.0) {
+      throw ApiError(400, std::string("'") + penalty + "' is not supported by vlmgen-serve (only 0)", penalty);
+    }
   }
   for (const char* unsupported : {"tools", "tool_choice", "functions", "response_format", "logit_bias"}) {
     if (field(body, unsupported) != nullptr) {

@@ -98,6 +98,11 @@ void add_options(CLI::App& app, Options& o) {
       ->check(CLI::ExistingDirectory);
   app.add_option("--grace-seconds", o.grace_seconds, "on SIGINT/SIGTERM, how long in-flight requests may finish")
       ->capture_default_str();
+  app.add_option("--keep-alive-seconds", o.keep_alive_seconds,
+                 "a stream with nothing to send (queued, or computing a long prompt) sends an SSE comment this often; "
+                 "a client that left is found by the failing write and its request cancelled")
+      ->check(CLI::Range(0.01, 3600.0))
+      ->capture_default_str();
   app.add_option("--threads", o.threads,
                  "HTTP worker threads (connections served at once); all but 4 may generate, the 4 answer /health, "
                  "/metrics and refusals")

@@ -48,7 +48,6 @@ void log_line(fmt::format_string<Args...> format, Args&&... args) noexcept {
 /// HTTP worker threads kept from generating: a stream holds its thread to the end, so with every
 /// thread streaming nothing would answer /health, /metrics or a refusal (429).
 constexpr int kReservedThreads = 4;
-
 struct Options {
   std::string model;
   std::string dtype = "f32";  // weights dtype of the language model
@@ -68,7 +67,8 @@ struct Options {
   std::string api_key;
   std::string allow_local_images;
   double grace_seconds = 10.0;
-  int threads = 64;  // kReservedThreads of them never generate
+  double keep_alive_seconds = 1.0;  // a silent stream sends an SSE comment this often (Server::stream_step)
+  int threads = 64;                 // kReservedThreads of them never generate
   int nproc = 1;
   int64_t timeout_s = 600;
 };
@@ -106,12 +106,13 @@ class Histogram {
   int64_t count_ = 0;
 };
 
-/// A token's entry in an OpenAI logprobs list: its text, log-probability and UTF-8 bytes.
+/// A token's entry in an OpenAI logprobs list: its text, log-probability and UTF-8 bytes. The
+/// bytes are the token's own (Tokenizer::token_bytes), so a character split over several tokens
+/// rebuilds from them; the text shows such a part as U+FFFD, as decode does.
 inline Json logprob_json(const Tokenizer& tokenizer, int64_t token, float logprob) {
-  const std::string piece = tokenizer.decode({token});
   Json bytes = Json::array();
-  for (unsigned char c : piece) bytes.push_back(static_cast<int>(c));
-  return {{"token", piece}, {"logprob", logprob}, {"bytes", bytes}};
+  for (unsigned char c : tokenizer.token_bytes(token)) bytes.push_back(static_cast<int>(c));
+  return {{"token", tokenizer.decode({token})}, {"logprob", logprob}, {"bytes", bytes}};
 }
 
 /// One completion in flight: the engine's callback appends final text (after the stop strings),
@@ -178,6 +179,7 @@ struct Completion {
   bool finished = false;
   bool recorded = false;  // counted in /metrics (once: a stream's last writes may still fail after)
   Clock::time_point submitted = Clock::now();
+  Clock::time_point last_write = Clock::now();                 // the stream's last bytes out (HTTP side only)
   int64_t created = static_cast<int64_t>(std::time(nullptr));  // the reply's "created": when it came
   Clock::time_point first_token;
   Clock::time_point last_token;
@@ -205,9 +207,11 @@ class Server {
       if (c->handle) c->handle->cancel();
     }
   }
+  /// Requests past the draining check: those still being admitted (images decoding, prompt
+  /// building) and those submitted.
   size_t in_flight() {
     std::lock_guard<std::mutex> lock(active_mu_);
-    return active_.size();
+    return active_.size() + static_cast<size_t>(admitting_.load());
   }
 
  private:
@@ -260,6 +264,9 @@ class Server {
   int64_t created_ = static_cast<int64_t>(std::time(nullptr));  // /v1/models: when the server started
   std::atomic<int64_t> next_id_{1};
   std::atomic<bool> draining_{false};
+  // Raised before the draining check and lowered once the request is in active_ (or refused), so
+  // a drain that reads in_flight() after setting draining_ sees every request that got past it.
+  std::atomic<int64_t> admitting_{0};
   std::mutex active_mu_;
   std::set<std::shared_ptr<Completion>> active_;
   bool cancelled_all_ = false;  // under active_mu_

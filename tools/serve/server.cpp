@@ -147,6 +147,16 @@ void Server::chat_completions(const httplib::Request& req, httplib::Response& re
 void Server::admit_chat(const httplib::Request& req, httplib::Response& res) {
   const int64_t number = next_id_.fetch_add(1);
   const std::string id = fmt::format("chatcmpl-{}", number);
+  struct Admitting {  // in flight from the draining check until it is in active_, or refused
+    std::atomic<int64_t>& count;
+    bool counted = true;
+    void done() {
+      if (counted) count.fetch_sub(1);
+      counted = false;
+    }
+    ~Admitting() { done(); }
+  } admitting{admitting_};
+  admitting_.fetch_add(1);
   try {
     if (draining_.load()) throw ApiError(503, "the server is shutting down", "", "server_error", "shutting_down");
     // A connection that may generate, taken before any work and held until the request ends
@@ -225,6 +235,7 @@ void Server::admit_chat(const httplib::Request& req, httplib::Response& res) {
     {
       std::lock_guard<std::mutex> lock(active_mu_);
       active_.insert(completion);
+      admitting.done();
       if (cancelled_all_) completion->handle->cancel();  // admitted after the grace period ended
     }
     if (chat.stream) {

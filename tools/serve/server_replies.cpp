@@ -155,9 +155,16 @@ bool Server::stream_step(const std::string& id, bool include_usage, int64_t prom
       c->logprobs_sent = c->logprobs.size();
     }
   }
-  if ((!delta.empty() || !logprobs.is_null()) &&
-      !write(sse(chunk(id, c->created, {{"content", delta}}, Json(), logprobs)))) {
-    return false;
+  const auto now = Clock::now();
+  if (!delta.empty() || !logprobs.is_null()) {
+    if (!write(sse(chunk(id, c->created, {{"content", delta}}, Json(), logprobs)))) return false;
+    c->last_write = now;
+  } else if (!ended && now - c->last_write >= std::chrono::duration<double>(options_.keep_alive_seconds)) {
+    // An SSE comment (clients skip it) while the request waits or computes a long prompt: a
+    // client that left is found by the failing write, and its request cancelled (the releaser),
+    // instead of holding its queue place and connection until its first token.
+    if (!write(": keep-alive\n\n")) return false;
+    c->last_write = now;
   }
   if (!ended) return true;
   // An end without a finish_reason: the error as an event, counted before the client can see the

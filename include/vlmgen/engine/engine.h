@@ -118,6 +118,10 @@ class Engine {
                  parallel_.tp_rank(), parallel_.tp_size());
     VLMGEN_CHECK(request.context == nullptr,
                  "an engine request cannot bring its own InferenceContext; the engine allocates each request's");
+    // Before the booking arithmetic (validate_request checks the same, against the model too).
+    VLMGEN_CHECK(config.max_new_tokens() >= 0 && config.max_new_tokens() <= GenerationConfig::kMaxSequenceColumns,
+                 "max_new_tokens must be in [0, {}] (GenerationConfig::kMaxSequenceColumns), got {}",
+                 GenerationConfig::kMaxSequenceColumns, config.max_new_tokens());
     const int64_t need = kv_blocks_needed(request, config);
     VLMGEN_CHECK(need <= metrics_.kv_blocks_total,
                  "the request needs {} KV blocks ({} rows x {} columns, {} columns and {} bytes per block) but the "
@@ -215,14 +219,27 @@ class Engine {
 
   // Takes the waiting requests that fit (slots and KV budget) off the queue and books their KV
   // blocks. Called with the lock held.
+  // Requests cancelled while waiting leave the queue wherever they stand, booking nothing (lead()
+  // ends them without running): they neither wait for a slot nor hold up the requests behind.
   std::vector<Waiting> admit(int64_t running) {
     std::vector<Waiting> admitted;
-    while (!waiting_.empty() && running + static_cast<int64_t>(admitted.size()) < options_.max_running() &&
+    for (auto it = waiting_.begin(); it != waiting_.end();) {
+      if (!it->handle->cancel_.load()) {
+        ++it;
+        continue;
+      }
+      it->kv_blocks = 0;
+      admitted.push_back(std::move(*it));
+      it = waiting_.erase(it);
+    }
+    int64_t taken = 0;
+    while (!waiting_.empty() && running + taken < options_.max_running() &&
            metrics_.kv_blocks_used + waiting_.front().kv_blocks <= metrics_.kv_blocks_total) {
       metrics_.kv_blocks_used += waiting_.front().kv_blocks;
       metrics_.kv_bytes_used = metrics_.kv_blocks_used * block_bytes();
       admitted.push_back(std::move(waiting_.front()));
       waiting_.pop_front();
+      ++taken;
     }
     metrics_.waiting = static_cast<int64_t>(waiting_.size());
     return admitted;

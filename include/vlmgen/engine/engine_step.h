@@ -231,12 +231,16 @@ inline bool Engine::start(Waiting w, std::list<Running>& running) {
 
 // Looks the prompt up in the prefix cache: on a hit the request continues from a copy of the
 // cached columns (check_continuation then verifies tokens and pictures, as for any caller's
-// context). Remembers the prompt's block keys, to cache its prefill.
+// context). Remembers the prompt's block keys, to cache its prefill. A request that asks for
+// prompt_logprobs computes its whole prompt (a hit's columns would have no scores).
 inline void Engine::seed_from_prefix_cache(Waiting& w, Running& r) {
   detail::validate_request(w.request, w.config, model_.traits());
   const detail::RequestLayout layout = detail::lay_out_request(w.request, w.config, model_);
   const std::vector<ContentHash> fingerprints = w.request.vision.fingerprints();
   r.prefix_keys = prefix_cache_.block_keys(w.request.prompts[0], layout.spans, fingerprints);
+  // Scores for every prompt token need the prefill of every column: such a request caches its
+  // prompt for others but starts from none.
+  if (w.config.prompt_logprobs()) return;
   const PrefixCache::Hit hit = prefix_cache_.lookup(r.prefix_keys, layout.spans, layout.prompt_len);
   if (hit.columns == 0) return;
   r.context = hit.context->copy_prefix(hit.columns, std::max<int64_t>(layout.fed_columns, 1));

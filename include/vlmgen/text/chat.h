@@ -129,6 +129,7 @@ struct VisionTokenIds {
   int64_t vision_start = -1;  // -1: not set (no token has it)
   int64_t image_pad = -1;
   int64_t vision_end = -1;
+  int64_t video_pad = -1;  ///< Qwen-VL's <|video_pad|> where the tokenizer has it: refused in text (no videos yet)
 };
 
 /// How a model family writes images into a prompt and preprocesses them: what the family's HF

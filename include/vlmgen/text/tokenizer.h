@@ -79,6 +79,10 @@ class Tokenizer {
   bool has_token(int64_t id) const;
   /// Whether `id` is a special added token.
   bool is_special(int64_t id) const;
+  /// Whether `id` is a "<0xXX>" token of a byte-fallback (SentencePiece-style) tokenizer. As in
+  /// HF's ByteFallback decoder, a run of them decodes to its bytes when they are valid UTF-8, and
+  /// otherwise to one U+FFFD per token of the run.
+  bool is_fallback_byte(int64_t id) const;
   /// The id of the token whose text is exactly `content` (an added token's content, or a
   /// vocabulary entry's bytes), if there is one.
   std::optional<int64_t> token_id(std::string_view content) const;
