@@ -23,11 +23,12 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// A request that decodes for seconds: 1 ms per token, up to 3000 tokens, until cancelled.
+// A request that decodes slowly (20 ms a token) until it is cancelled at the test's end, so the
+// others' checks fit well within its life even on a loaded machine.
 GenerateRequest slow_request(std::vector<int64_t> prompt) {
   GenerateRequest request({std::move(prompt)});
   request.on_token = [](const TokenEvent&) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
     return true;
   };
   return request;
@@ -53,8 +54,8 @@ TEST(EngineQueue, ACancelledRequestAtTheHeadOfTheQueueDoesNotHoldUpTheOnesBehind
   testing::FakeVlm model;
   const int64_t per_token = model.traits().kv_cache.bytes_per_token();
   ASSERT_GT(per_token, 0);
-  // Blocks of 10 columns, 20 in the budget. The running request books 10 (3-token prompt +
-  // 96 new), the big one 15 (> what is left), the small one 1.
+  // Blocks of 10 columns, 20 in the budget. The running request books 10 (3-token prompt + 98
+  // new: 100 columns), the big one 15 (> what is left), the small one 1.
   Engine engine(model, EngineOptions().max_running(4).kv_block_columns(10).kv_cache_bytes(20 * 10 * per_token));
   ASSERT_EQ(engine.metrics().kv_blocks_total, 20);
   auto busy = engine.submit(slow_request({1, 2, 3}), GenerationConfig().max_new_tokens(98));

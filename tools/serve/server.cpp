@@ -147,6 +147,14 @@ void Server::chat_completions(const httplib::Request& req, httplib::Response& re
 void Server::admit_chat(const httplib::Request& req, httplib::Response& res) {
   const int64_t number = next_id_.fetch_add(1);
   const std::string id = fmt::format("chatcmpl-{}", number);
+  // Refused at once while draining, without touching the count a drain waits on.
+  if (draining_.load()) {
+    const ApiError refusal(503, "the server is shutting down", "", "server_error", "shutting_down");
+    reply_error(res, refusal);
+    count_status(refusal.status);
+    log_line("[serve] {} {} {}\n", id, refusal.status, refusal.what());
+    return;
+  }
   struct Admitting {  // in flight from the draining check until it is in active_, or refused
     std::atomic<int64_t>& count;
     bool counted = true;

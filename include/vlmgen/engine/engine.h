@@ -109,8 +109,9 @@ class Engine {
   /// Queues a request (one or more rows; GenerateRequest::context must be null: the engine
   /// gives each request its own KV cache; GenerateRequest::cancel is replaced by the handle's
   /// cancel()). The streaming callback runs on the engine's thread. Throws vlmgen::Error at
-  /// once when the request's KV cache alone exceeds the budget; every other check runs when it
-  /// is admitted, and its error ends the request (wait() rethrows it).
+  /// once when max_new_tokens is outside [0, GenerationConfig::kMaxSequenceColumns] or the
+  /// request's KV cache alone exceeds the budget; every other check runs when it is admitted,
+  /// and its error ends the request (wait() rethrows it).
   std::shared_ptr<RequestHandle> submit(GenerateRequest request, GenerationConfig config) {
     VLMGEN_CHECK(leads_,
                  "this engine is rank {} of a tensor-parallel group of {} and runs rank 0's plan; submit requests to "
