@@ -89,21 +89,22 @@ class Sampler {
       return out;
     };
     // One read back to the host a step (on an accelerator each one waits for the device): the
-    // greedy choices and the NaN flags together, or the logits themselves when sampling.
-    std::vector<bool> nan_rows(static_cast<size_t>(batch), false);
+    // greedy choices and the unusable-row flags together, or the logits themselves when sampling.
+    std::vector<bool> bad_rows(static_cast<size_t>(batch), false);
     if (options_.greedy()) {
+      const at::Tensor allowed = suppress(logits);
       const std::vector<int64_t> picked =
-          detail::to_int64_vector(at::stack({suppress(logits).argmax(-1), logits.isnan().any(-1).to(at::kLong)}));
-      for (int64_t b = 0; b < batch; ++b) nan_rows[b] = picked[batch + b] != 0;
-      check_no_nan(nan_rows, active);
+          detail::to_int64_vector(at::stack({allowed.argmax(-1), unusable_rows(logits, allowed).to(at::kLong)}));
+      for (int64_t b = 0; b < batch; ++b) bad_rows[b] = picked[batch + b] != 0;
+      check_usable(bad_rows, active);
       for (int64_t b = 0; b < batch; ++b) {
         if (active[b]) tokens[b] = picked[b];
       }
     } else {
       const at::Tensor host = logits.to(at::kCPU, at::kFloat).contiguous();
-      nan_rows = detail::to_bool_vector(host.isnan().any(-1));
-      check_no_nan(nan_rows, active);
       const at::Tensor allowed = suppress(host);
+      bad_rows = detail::to_bool_vector(unusable_rows(host, allowed));
+      check_usable(bad_rows, active);
       for (int64_t b = 0; b < batch; ++b) {
         if (active[b]) tokens[b] = sample_row(allowed[b], generators_[b]);
       }
@@ -143,22 +144,21 @@ class Sampler {
       at::Tensor full = gather_last_position_logits(local_logits, shard.group).narrow(1, 0, shard.vocab_size);
       return choose(full, active, logprobs);
     }
-    at::Tensor allowed = local_logits;
     const int64_t padding_from = std::clamp<int64_t>(shard.vocab_size - shard.start, 0, width);
-    bool masked = padding_from < width;
-    for (int64_t id : options_.suppressed_tokens) masked = masked || (id >= shard.start && id < shard.start + width);
-    if (masked) {
-      allowed = local_logits.clone();
-      const float neg_inf = -std::numeric_limits<float>::infinity();
-      if (padding_from < width) allowed.narrow(1, padding_from, width - padding_from).fill_(neg_inf);
-      for (int64_t id : options_.suppressed_tokens) {
-        if (id >= shard.start && id < shard.start + width) allowed.select(1, id - shard.start).fill_(neg_inf);
-      }
+    // A NaN or +inf among a rank's real ids (suppressed ones included, as choose() reads them)
+    // makes that block's row NaN, so every rank sees the row as unusable after the gather.
+    const at::Tensor real = local_logits.narrow(1, 0, padding_from);
+    at::Tensor allowed = local_logits.masked_fill((real.isnan().any(-1) | real.isposinf().any(-1)).unsqueeze(1),
+                                                  std::numeric_limits<float>::quiet_NaN());
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    if (padding_from < width) allowed.narrow(1, padding_from, width - padding_from).fill_(neg_inf);
+    for (int64_t id : options_.suppressed_tokens) {
+      if (id >= shard.start && id < shard.start + width) allowed.select(1, id - shard.start).fill_(neg_inf);
     }
-    std::vector<bool> nan_rows;
+    std::vector<bool> bad_rows;
     const std::vector<int64_t> best =
-        detail::to_int64_vector(vocab_parallel_argmax(allowed, shard.start, shard.group, &nan_rows));
-    check_no_nan(nan_rows, active);
+        detail::to_int64_vector(vocab_parallel_argmax(allowed, shard.start, shard.group, &bad_rows));
+    check_usable(bad_rows, active);
     std::vector<int64_t> tokens(active.size(), -1);
     for (size_t b = 0; b < active.size(); ++b) {
       if (active[b]) tokens[b] = best[b];
@@ -167,13 +167,17 @@ class Sampler {
   }
 
  private:
-  // NaN logits have no argmax and no distribution to sample: whatever token came out would be
-  // an artefact of the library's NaN ordering, so the step fails instead.
-  static void check_no_nan(const std::vector<bool>& nan_rows, const std::vector<bool>& active) {
-    for (size_t b = 0; b < nan_rows.size() && b < active.size(); ++b) {
-      VLMGEN_CHECK(!(nan_rows[b] && active[b]),
-                   "the model's logits for row {} hold NaN: no token can be chosen (expected finite logits; check the "
-                   "model's weights and inputs)",
+  // Rows no token can honestly be chosen from: a NaN or +inf logit anywhere (no distribution:
+  // softmax gives NaN; argmax would return an artefact of the ordering), or no allowed token
+  // above -inf. `allowed`: the logits with the suppressed ids at -inf. -inf elsewhere is fine.
+  static at::Tensor unusable_rows(const at::Tensor& logits, const at::Tensor& allowed) {
+    return logits.isnan().any(-1) | logits.isposinf().any(-1) | allowed.amax(-1).isneginf();
+  }
+  static void check_usable(const std::vector<bool>& bad_rows, const std::vector<bool>& active) {
+    for (size_t b = 0; b < bad_rows.size() && b < active.size(); ++b) {
+      VLMGEN_CHECK(!(bad_rows[b] && active[b]),
+                   "the model's logits for row {} hold NaN or +inf, or no allowed token has a logit above -inf: no "
+                   "token can be chosen (expected finite logits; check the model's weights and inputs)",
                    b);
     }
   }

@@ -162,7 +162,13 @@ Image resize_with(const Image& image, int64_t height, int64_t width, Filter filt
   VLMGEN_CHECK(height > 0 && width > 0 && height <= std::numeric_limits<int32_t>::max() / width / kChannels,
                "{}: target size must be positive and fit in memory, got {}x{} (height x width)", what, height, width);
   // Like Pillow, run only the passes whose axis changes size; horizontal first, since the
-  // 8-bit rounding between the passes makes the order visible.
+  // 8-bit rounding between the passes makes the order visible. Its image (the input's height x
+  // the new width) is bounded too: a tall, narrow picture widened (8 x 8,388,608 to 896 wide, a
+  // 200 KB PNG within every decode limit) would otherwise take 22 GB.
+  VLMGEN_CHECK(width == image.width || image.height <= kDefaultMaxImagePixels / width,
+               "{}: resizing a {}x{} (height x width) image to {}x{} passes through {}x{} pixels, above the limit of "
+               "{} (kDefaultMaxImagePixels): the image is too tall for its width",
+               what, image.height, image.width, height, width, image.height, width, kDefaultMaxImagePixels);
   Image out = width != image.width ? resample_horizontal(image, static_cast<int>(width), filter) : image;
   if (height != image.height) out = resample_vertical(out, static_cast<int>(height), filter);
   return out;

@@ -130,6 +130,13 @@ void config_rows(std::vector<Row>& rows) {
     rows.push_back({fmt::format("max_new_tokens_{}", n), [n](Call& c) { c.config.max_new_tokens(n); },
                     fmt::format("max_new_tokens {} exceeds the limit of 1048576 columns", n)});
   }
+  // Each under the limit, together over it (the model sets no max_sequence_length).
+  rows.push_back({"prompt_plus_max_new_tokens_over_the_limit",
+                  [](Call& c) {
+                    c.request.prompts = {std::vector<int64_t>(600000, 1)};
+                    c.config.max_new_tokens(600000);
+                  },
+                  "prompt 0 of 600000 tokens + max_new_tokens 600000 exceeds the limit of 1048576 columns"});
   FakeVlmOptions short_model;
   short_model.max_sequence_length = 10;
   rows.push_back({"beyond_the_model_length", [](Call& c) { c.config.max_new_tokens(4); },

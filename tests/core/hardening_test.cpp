@@ -219,6 +219,38 @@ TEST(Sampling, NanLogitsAreAnErrorNotAToken) {
   EXPECT_EQ(sampler.choose(logits, {true, false})[0], 0) << "a finished row's logits are not read";
 }
 
+TEST(Sampling, InfiniteLogitsOrNoAllowedTokenAreAnErrorNotAToken) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (double temperature : {0.0, 0.8}) {
+    SamplingOptions options;
+    options.temperature = temperature;
+    options.seed = 3;
+    options.suppressed_tokens = {5};
+    const auto row = [](std::initializer_list<std::pair<int64_t, float>> set, float rest) {
+      at::Tensor t = at::full({1, 8}, rest);
+      for (const auto& [id, v] : set) t[0][id] = v;
+      return t;
+    };
+    const std::vector<std::pair<const char*, at::Tensor>> bad = {
+        {"+inf", row({{2, inf}}, 0.0f)},                          // softmax would be NaN; argmax an artefact
+        {"all -inf", row({}, -inf)},                              // nothing to choose
+        {"only a suppressed id finite", row({{5, 1.0f}}, -inf)},  // argmax would pick id 0
+    };
+    for (const auto& [what, logits] : bad) {
+      Sampler sampler(options, 1);
+      try {
+        const std::vector<int64_t> got = sampler.choose(logits, {true});
+        ADD_FAILURE() << what << " at temperature " << temperature << " gave token " << got[0];
+      } catch (const Error& e) {
+        EXPECT_THAT(e.what(), HasSubstr("the model's logits for row 0 hold NaN or +inf, or no allowed token"));
+      }
+    }
+    // -inf is fine where a token is left: that token.
+    Sampler sampler(options, 1);
+    EXPECT_EQ(sampler.choose(row({{3, 0.5f}, {5, 9.0f}}, -inf), {true})[0], 3) << temperature;
+  }
+}
+
 TEST(EncoderCache, CallsGetTheEmbeddingsAndNotThePixels) {
   FakeVlmOptions opts;
   opts.can_encode_images = true;

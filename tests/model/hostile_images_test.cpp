@@ -18,6 +18,7 @@
 #include "hostile_test_util.h"
 #include "stb_write_for_tests.h"
 #include "vlmgen/error.h"
+#include "vlmgen/image/gemma3_image_processor.h"
 #include "vlmgen/image/qwen_image_processor.h"
 
 namespace vlmgen {
@@ -239,6 +240,21 @@ TEST(HostileImages, FifoAndDeviceImagesAreRefusedWithoutBlocking) {
   EXPECT_THAT(error_within(std::chrono::milliseconds(1000), dir / "a.png", [&] { load_image(dir / "a.png"); }),
               AllOf(HasSubstr("a.png"), HasSubstr("got a FIFO")));
   EXPECT_THAT(error_of([] { load_image("/dev/zero"); }), HasSubstr("got a character device"));
+}
+
+TEST(HostileImages, ATallNarrowImageIsRefusedBeforeItsWidenedCopyIsMade) {
+  // 4 x 4,194,304 (16 Mi pixels, within the decode limit): widened to 896 first, as Pillow
+  // resizes, it would pass through 3.8 G pixels (11 GB). Gemma-3 and LLaVA-NeXT have no aspect
+  // limit of their own (Qwen's smart_resize refuses ratios above 200).
+  Image tall{int64_t{1} << 22, 4, std::vector<uint8_t>(size_t{3} << 24, 128)};
+  const auto start = Clock::now();
+  EXPECT_THAT(error_of([&] { preprocess_gemma3({tall}, Gemma3ImageProcessorOptions()); }),
+              AllOf(HasSubstr("4194304x4 (height x width)"), HasSubstr("too tall for its width")));
+  EXPECT_THAT(error_of([&] { resize_bicubic(tall, 896, 896); }), HasSubstr("passes through 4194304x896 pixels"));
+  EXPECT_LT(seconds_since(start), 2.0);
+  // A tall picture within the bound resizes.
+  const Image ok{20000, 4, std::vector<uint8_t>(size_t{3} * 80000, 7)};
+  EXPECT_EQ(resize_bilinear(ok, 896, 896).rgb.size(), size_t{3} * 896 * 896);
 }
 
 TEST(HostileImages, PreprocessorSettingsAndResizedSizesAreBounded) {

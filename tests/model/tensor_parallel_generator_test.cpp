@@ -184,6 +184,21 @@ TEST(DISABLED_TpModelWorker, SamplerOnVocabShardsEqualsSamplerOnFullVocabulary) 
   EXPECT_EQ(greedy[3], 0);
   EXPECT_EQ(Sampler(options, 4).choose_vocab_parallel(local, shard, {true, false, true, false}),
             (std::vector<int64_t>{expected[0], -1, expected[2], -1}));
+  // Rows no token can be chosen from fail on every rank as with the whole vocabulary: a NaN at a
+  // suppressed id (in the last block), +inf (in the first), no allowed id above -inf.
+  for (int bad = 0; bad < 3; ++bad) {
+    at::Tensor broken = full.clone();
+    if (bad == 0) broken[1][vocab - 2] = std::nanf("");
+    if (bad == 1) broken[1][1] = std::numeric_limits<float>::infinity();
+    if (bad == 2) {
+      broken[1].fill_(-std::numeric_limits<float>::infinity());
+      broken[1][3] = 1.0f;  // suppressed
+    }
+    EXPECT_THROW(Sampler(options, 4).choose(broken.narrow(1, 0, vocab), active), Error) << bad;
+    EXPECT_THROW(Sampler(options, 4).choose_vocab_parallel(broken.narrow(1, comm.rank() * block, block), shard, active),
+                 Error)
+        << "rank " << comm.rank() << ", case " << bad;
+  }
 
   options.temperature = 3.0;  // flat enough that the draws spread over many ids
   options.seed = 17;

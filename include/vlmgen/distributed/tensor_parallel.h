@@ -190,21 +190,23 @@ inline at::Tensor reduce_scatter_sequence(const at::Tensor& partial, Communicato
 /// (max value, global index) pair is all-gathered and the best is kept, ties to the lowest
 /// global index; the same ids as at::argmax over the full [B, V] logits, NaN included (a NaN
 /// wins, as in at::argmax). `local_logits` [B, V/tp] holds ids [vocab_start, vocab_start + V/tp).
-/// Returns [B] int64 global ids, on the logits' device.
+/// Returns [B] int64 global ids, on the logits' device. `nan_rows` (optional) gets the rows no
+/// token can be chosen from: a NaN in some rank's block, or no logit above -inf.
 inline at::Tensor vocab_parallel_argmax(const at::Tensor& local_logits, int64_t vocab_start, Communicator* comm,
                                         std::vector<bool>* nan_rows = nullptr) {
   VLMGEN_CHECK(local_logits.dim() == 2 && local_logits.size(1) > 0,
                "vocab_parallel_argmax expects local logits [B, V/tp] with V/tp > 0, got {}",
                detail::shape_str(local_logits));
   at::Tensor local_index = local_logits.argmax(-1);
-  auto report_nan = [&](const at::Tensor& rows) {  // [B], bool: some rank's block has a NaN
+  // [B], bool: some rank's block has a NaN, or no logit of the row is above -inf
+  auto report_nan = [&](const at::Tensor& rows) {
     if (nan_rows == nullptr) return;
     at::Tensor host = rows.to(at::kCPU);
     nan_rows->assign(static_cast<size_t>(host.size(0)), false);
     for (int64_t b = 0; b < host.size(0); ++b) (*nan_rows)[b] = host[b].item<bool>();
   };
   if (detail::group_size(comm) == 1) {
-    report_nan(local_logits.isnan().any(-1));
+    report_nan(local_logits.isnan().any(-1) | local_logits.amax(-1).isneginf());
     return local_index + vocab_start;
   }
   // float64 holds every float32/bf16/fp16 value and every index below 2^53 exactly.
@@ -214,8 +216,8 @@ inline at::Tensor vocab_parallel_argmax(const at::Tensor& local_logits, int64_t 
   at::Tensor values = all.select(-1, 0);
   at::Tensor indices = all.select(-1, 1).to(at::kLong);
   at::Tensor nan = values.isnan();
-  report_nan(nan.any(0));
   at::Tensor best = std::get<0>(values.max(0));  // NaN when a row has one
+  report_nan(nan.any(0) | best.isneginf());
   at::Tensor candidate = (values == best.unsqueeze(0)) | (nan & nan.any(0, /*keepdim=*/true));
   at::Tensor masked = indices.masked_fill(~candidate, std::numeric_limits<int64_t>::max());
   return std::get<0>(masked.min(0));

@@ -45,7 +45,10 @@ inline void validate_request(const GenerateRequest& request, const GenerationCon
   for (size_t r = 0; r < request.prompts.size(); ++r) {
     const auto& p = request.prompts[r];
     VLMGEN_CHECK(!p.empty(), "prompt {} is empty: expected at least one token", r);
-    VLMGEN_CHECK(static_cast<int64_t>(p.size()) <= max_columns && config.max_new_tokens() <= max_columns,
+    // Each bounded here; their sum against the model's length below (lay_out_request), and
+    // against kMaxSequenceColumns here, as the buffers are sized for it.
+    VLMGEN_CHECK(static_cast<int64_t>(p.size()) <= max_columns && config.max_new_tokens() <= max_columns &&
+                     static_cast<int64_t>(p.size()) + config.max_new_tokens() <= GenerationConfig::kMaxSequenceColumns,
                  "prompt {} of {} tokens + max_new_tokens {} exceeds the limit of {} columns per row (the model's "
                  "max_sequence_length {}, or GenerationConfig::kMaxSequenceColumns {} when it sets none)",
                  r, p.size(), config.max_new_tokens(), max_columns, traits.max_sequence_length,
